@@ -1,0 +1,35 @@
+# prefixserve: `make serve` runs the service with the demo model, `make test` runs the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test test-slow bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+serve: $(STAMP)
+	$(VENV)/bin/prefixserve serve
+
+test: $(STAMP) redis chromium
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -x -p no:cacheprovider
+
+test-slow: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV)

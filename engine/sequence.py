@@ -1,0 +1,86 @@
+"""SamplingParams, the per-request state the scheduler moves around, and the outputs handed back."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequest
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                     # -1 or 0: off
+    seed: int | None = None
+    max_tokens: int | None = 16         # None: up to max_model_len
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None         # top-k log-probabilities per sampled token
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop]
+        if self.best_of is None:
+            self.best_of = self.n
+        checks: list[tuple[bool, str, str]] = [
+            (isinstance(self.n, int) and self.n >= 1, "n", "n must be an integer >= 1"),
+            (isinstance(self.best_of, int) and self.best_of >= self.n, "best_of", "best_of must be >= n"),
+            (0.0 <= self.temperature <= 100.0, "temperature", "temperature must be within [0, 100]"),
+            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be within (0, 1]"),
+            (isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "top_k must be -1 (off) or >= 0"),
+            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
+             "max_tokens", "max_tokens must be an integer >= 0"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "stop_token_ids must be non-negative integers"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             "logprobs", "logprobs must be within [0, 20]"),
+            (self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidRequest(message, param=param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence. In streams, `text` and `token_ids` are the delta since the last yield."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None    # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

@@ -1,0 +1,35 @@
+"""AttentionMetadata: the flattened batch layout every attention backend reads.
+
+Token regions of one sequence in a step (its query is the `new` part):
+
+    | computed (in cache, maybe shared) | new (this step's query tokens) |
+    0                         seq_len - query_len                  seq_len
+
+Tokens of all sequences are concatenated without padding; sequence i owns rows
+query_start_loc[i] : query_start_loc[i + 1] of q / k / v.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor     # [num_tokens] int64: block_id * block_size + offset for each new token
+    block_tables: torch.Tensor     # [num_seqs, max_blocks] int32, rows padded with 0 past the sequence's blocks
+    seq_lens: torch.Tensor         # [num_seqs] int32: context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: prefix sums of query lengths
+    seq_lens_list: list[int]       # host copies, so backends need no device sync
+    query_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1

@@ -1,0 +1,78 @@
+"""Attention on the paged KV cache in plain torch: the CPU path (vectorized, per sequence, not per token).
+
+Cache layout (shared by every backend): key_cache / value_cache are
+[num_blocks, block_size, num_kv_heads, head_dim]; a token at position p of a sequence lives in
+block block_table[p // block_size] at offset p % block_size.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, md: AttentionMetadata) -> None:
+        # key / value: [num_tokens, num_kv_heads, head_dim]
+        _, _, h, d = key_cache.shape
+        key_cache.view(-1, h, d).index_copy_(0, md.slot_mapping, key.to(key_cache.dtype))
+        value_cache.view(-1, h, d).index_copy_(0, md.slot_mapping, value.to(value_cache.dtype))
+
+    def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]
+        if md.is_decode_only:
+            return self._decode(q, key_cache, value_cache, md, scale)
+        out = torch.empty_like(q)
+        block_size = key_cache.shape[1]
+        starts = md.query_start_loc.tolist()
+        for i, (seq_len, q_len) in enumerate(zip(md.seq_lens_list, md.query_lens_list)):
+            nb = -(-seq_len // block_size)
+            blocks = md.block_tables[i, :nb].long()
+            k = key_cache[blocks].flatten(0, 1)[:seq_len]      # [seq_len, Hkv, D]
+            v = value_cache[blocks].flatten(0, 1)[:seq_len]
+            s, e = starts[i], starts[i + 1]
+            out[s:e] = _attend(q[s:e], k, v, scale, causal_offset=seq_len - q_len)
+        return out
+
+    def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        # One query token per sequence: gather every sequence's context padded to max_seq_len.
+        num_seqs, num_heads, head_dim = q.shape
+        block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+        nb = -(-md.max_seq_len // block_size)
+        blocks = md.block_tables[:, :nb].long()
+        k = key_cache[blocks].flatten(1, 2)[:, :md.max_seq_len]  # [S, L, Hkv, D]
+        v = value_cache[blocks].flatten(1, 2)[:, :md.max_seq_len]
+        group = num_heads // num_kv_heads
+        qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
+        scores = torch.einsum("shgd,slhd->shgl", qg, k.float()) * scale       # [S, Hkv, G, L]
+        pos = torch.arange(md.max_seq_len, device=q.device)
+        pad = pos[None, :] >= md.seq_lens.to(q.device)[:, None].long()           # [S, L]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("shgl,slhd->shgd", probs, v.float())
+        return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+    def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                    src: torch.Tensor, dst: torch.Tensor) -> None:
+        for kc, vc in zip(key_caches, value_caches):
+            kc[dst] = kc[src]
+            vc[dst] = vc[src]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int) -> torch.Tensor:
+    # q: [Q, H, D]; k, v: [L, Hkv, D]; query row i sits at position causal_offset + i.
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_heads != num_kv_heads:
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    q_len, ctx = q.shape[0], k.shape[0]
+    rows = torch.arange(q_len, device=q.device)[:, None] + causal_offset
+    mask = torch.arange(ctx, device=q.device)[None, :] <= rows           # [Q, L]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
