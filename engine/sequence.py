@@ -84,3 +84,58 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+class Sequence:
+    """One generated sequence's runtime state (prompt + output tokens and how much is computed).
+
+    Token regions:   | computed (KV in cache) | not yet computed |
+                     0                num_computed        len(token_ids)
+    After preemption by recompute, num_computed drops to 0 and the whole list is recomputed.
+    """
+
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival: float, max_tokens: int) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival = arrival
+        self.max_tokens = max_tokens          # resolved: never None
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.num_cached_tokens = -1           # prefix-cache hit at first admission; -1 until admitted
+        self.block_hashes: list = []          # full-block hashes of token_ids (BlockHash), grown lazily
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.pin_on_finish = False            # a prefix computed to be pinned (engine.pin_prefix)
+        self.detokenizer = None               # set by the engine (IncrementalDetokenizer)
+        self.generator = None                 # torch.Generator, set by the engine
+        self.error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, req={self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed}, {self.status.value})")

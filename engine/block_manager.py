@@ -1,0 +1,201 @@
+"""Per-sequence block tables over the BlockPool: prefix-cache lookup, on-demand growth, forks, pins.
+
+The scheduler talks to this class in sequence ids and token counts; it never sees `Block` objects.
+Standard library only, like the pool.
+
+NOTE: block tables are append-only while a sequence runs. Position p of a sequence lives in
+block_table[p // block_size] at offset p % block_size.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from engine.block_pool import Block, BlockHash, BlockPool, PinCapError, hash_block, root_hash
+
+
+@dataclass
+class SeqBlocks:
+    """What the manager keeps per sequence."""
+
+    blocks: list[Block] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)   # chained hashes of the full blocks so far
+    num_cached_blocks: int = 0                                # leading blocks already registered in the pool
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Blocks of a prompt found in the cache, as handed from `lookup` to `allocate`."""
+
+    blocks: tuple[Block, ...]
+    num_tokens: int
+
+
+class BlockManager:
+    def __init__(self, pool: BlockPool, block_size: int, fingerprint: str,
+                 enable_prefix_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.enable_prefix_caching = enable_prefix_caching
+        self._root = root_hash(fingerprint)
+        self._seqs: dict[int, SeqBlocks] = {}
+        self.pending_copies: list[tuple[int, int]] = []   # (src, dst) block copies for copy-on-write
+
+    # -- hashing ------------------------------------------------------------------------------
+    def block_hashes(self, token_ids: Seq[int], known: list[BlockHash] | None = None) -> list[BlockHash]:
+        """Chained hashes of every full block of `token_ids`, extending `known` (a prefix of them)."""
+        out = list(known) if known else []
+        b = self.block_size
+        prev = out[-1] if out else self._root
+        for i in range(len(out) * b, len(token_ids) - b + 1, b):
+            prev = hash_block(prev, token_ids[i:i + b])
+            out.append(prev)
+        return out
+
+    # -- admission ----------------------------------------------------------------------------
+    def lookup(self, token_ids: Seq[int], hashes: Seq[BlockHash] | None = None) -> PrefixHit:
+        """Longest run of cached full blocks that starts the prompt (`hashes`: its full-block hashes,
+        if the caller keeps them).
+
+        Only blocks within the first len - 1 tokens count: the last prompt token is always computed,
+        so the model has logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit((), 0)
+        b = self.block_size
+        limit = (len(token_ids) - 1) // b
+        if hashes is None or len(hashes) < limit:
+            hashes = self.block_hashes(token_ids[:limit * b], list(hashes or []))
+        hits: list[Block] = []
+        for i in range(limit):
+            block = self.pool.lookup(hashes[i], token_ids[i * b:(i + 1) * b])
+            if block is None:
+                break
+            hits.append(block)
+        return PrefixHit(tuple(hits), len(hits) * b)
+
+    def blocks_needed(self, seq_id: int, num_tokens: int, hit: PrefixHit | None = None) -> int:
+        """Free-queue blocks it takes to hold `num_tokens` tokens (hits that sit in the free queue
+        count too: taking a reference removes them from it)."""
+        have = len(self._seqs[seq_id].blocks) if seq_id in self._seqs else 0
+        if hit is not None:
+            have = len(hit.blocks)
+        new = max(0, -(-num_tokens // self.block_size) - have)
+        if hit is not None:
+            new += sum(1 for blk in hit.blocks if blk.evictable)
+        return new
+
+    def allocate(self, seq_id: int, token_ids: Seq[int], hit: PrefixHit, num_tokens: int) -> bool:
+        """Start a sequence's table: take the hit blocks, then new blocks for `num_tokens` tokens."""
+        assert seq_id not in self._seqs, f"sequence {seq_id} already has blocks"
+        if self.blocks_needed(seq_id, num_tokens, hit) > self.pool.num_free:
+            return False
+        self.pool.touch(hit.blocks)
+        state = SeqBlocks(blocks=list(hit.blocks), num_cached_blocks=len(hit.blocks))
+        state.hashes = [blk.block_hash for blk in hit.blocks]  # type: ignore[misc]
+        self._seqs[seq_id] = state
+        return self.grow(seq_id, num_tokens)
+
+    def grow(self, seq_id: int, num_tokens: int, write_from: int | None = None) -> bool:
+        """Make room for `num_tokens` tokens in all. If the block that position `write_from` falls in
+        is shared with another sequence (a fork), copy it first (copy-on-write)."""
+        state = self._seqs[seq_id]
+        need = max(0, -(-num_tokens // self.block_size) - len(state.blocks))
+        cow = self._shared_block_index(state, write_from)
+        if need + (cow is not None) > self.pool.num_free:
+            return False
+        if cow is not None:
+            old = state.blocks[cow]
+            (new,) = self.pool.allocate(1)
+            self.pending_copies.append((old.block_id, new.block_id))
+            state.blocks[cow] = new
+            self.pool.free([old])
+        state.blocks.extend(self.pool.allocate(need))
+        return True
+
+    def _shared_block_index(self, state: SeqBlocks, write_from: int | None) -> int | None:
+        if write_from is None:
+            return None
+        idx = write_from // self.block_size
+        if idx < len(state.blocks) and state.blocks[idx].ref_count > 1:
+            return idx
+        return None
+
+    def commit(self, seq_id: int, token_ids: Seq[int], num_computed: int) -> None:
+        """Register the blocks that `num_computed` computed tokens have filled, so others can hit them."""
+        state = self._seqs[seq_id]
+        full = num_computed // self.block_size
+        if full <= state.num_cached_blocks:
+            return
+        if len(state.hashes) < full:
+            state.hashes = self.block_hashes(token_ids[:full * self.block_size], state.hashes)
+        if self.enable_prefix_caching:
+            b = self.block_size
+            for i in range(state.num_cached_blocks, full):
+                self.pool.cache_full_block(state.blocks[i], state.hashes[i], token_ids[i * b:(i + 1) * b])
+        state.num_cached_blocks = full
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent by reference count."""
+        parent = self._seqs[parent_id]
+        self.pool.touch(parent.blocks)
+        self._seqs[child_id] = SeqBlocks(list(parent.blocks), list(parent.hashes), parent.num_cached_blocks)
+
+    def free(self, seq_id: int) -> None:
+        state = self._seqs.pop(seq_id, None)
+        if state is not None:
+            self.pool.free(state.blocks)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return [blk.block_id for blk in self._seqs[seq_id].blocks]
+
+    def num_blocks(self, seq_id: int) -> int:
+        return len(self._seqs[seq_id].blocks)
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    # -- pinning ------------------------------------------------------------------------------
+    def cached_prefix_blocks(self, token_ids: Seq[int]) -> list[Block] | None:
+        """The cached blocks of every full block of `token_ids`, or None if any is missing."""
+        b = self.block_size
+        out = []
+        for i, h in enumerate(self.block_hashes(token_ids)):
+            block = self.pool.lookup(h, token_ids[i * b:(i + 1) * b])
+            if block is None:
+                return None
+            out.append(block)
+        return out
+
+    def pin(self, token_ids: Seq[int]) -> list[Block]:
+        """Pin the full blocks of an already computed prefix. Raises PinCapError (nothing pinned)."""
+        blocks = self.cached_prefix_blocks(token_ids)
+        if blocks is None:
+            raise LookupError("prefix blocks are not all cached; compute the prefix first")
+        self.pool.pin(blocks)
+        return blocks
+
+    def new_pins_needed(self, token_ids: Seq[int]) -> int:
+        """How many not-yet-pinned blocks pinning this prefix would add (upper bound before compute)."""
+        b = self.block_size
+        n = 0
+        for i, h in enumerate(self.block_hashes(token_ids)):
+            block = self.pool.lookup(h, token_ids[i * b:(i + 1) * b])
+            if block is None or block.pin_count == 0:
+                n += 1
+        return n
+
+    def unpin(self, token_ids: Seq[int]) -> int:
+        blocks = self.cached_prefix_blocks(token_ids)
+        if blocks is None or any(blk.pin_count == 0 for blk in blocks):
+            return 0
+        self.pool.unpin(blocks)
+        return len(blocks)
+
+    def num_pinned_hits(self, token_ids: Seq[int]) -> int:
+        """Leading full blocks of `token_ids` that sit pinned in the cache."""
+        return sum(1 for blk in self.lookup(token_ids).blocks if blk.pin_count > 0)
+
+
+__all__ = ["BlockManager", "PinCapError", "PrefixHit"]

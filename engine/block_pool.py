@@ -1,0 +1,237 @@
+"""KV blocks: reference counts, pin counts, content hashes and the LRU free queue.
+
+Standard library only (no torch), so the allocator's tests run anywhere in milliseconds.
+
+Invariants
+- Only full blocks carry a hash. `hash(block) = H(parent_hash, token_ids, extra_keys)`, chained from a
+  root seeded by the model fingerprint, with H = blake2b-256 over a fixed byte encoding: the same
+  tokens give the same hash in every process, replica and restart (Python's `hash()` is salted per
+  process and would not).
+- A block is evictable iff `ref_count == 0 and pin_count == 0`; exactly the evictable blocks are in
+  the free queue. Pinned blocks never enter it.
+- Lazy eviction: a freed block keeps its hash (and stays findable) until `allocate` hands its memory
+  out again; only then is the hash dropped.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+
+
+def root_hash(fingerprint: str) -> BlockHash:
+    """The parent of every sequence's first block: ties all hashes to one model and tokenizer."""
+    return BlockHash(hashlib.blake2b(b"prefixserve-root\0" + fingerprint.encode(), digest_size=32).digest())
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> BlockHash:
+    """Chained content hash of one full block. Encoding: parent | u32 count | i64 tokens | extra keys."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(parent)
+    h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+    for key in extra_keys:
+        raw = key.encode()
+        h.update(struct.pack("<I", len(raw)) + raw)
+    return BlockHash(h.digest())
+
+
+def hash_blocks(fingerprint: str, token_ids: Sequence[int], block_size: int,
+                parent: BlockHash | None = None, start: int = 0) -> list[BlockHash]:
+    """Hashes of the full blocks of `token_ids[start:]`, chained from `parent` (default: the root)."""
+    out: list[BlockHash] = []
+    prev = parent if parent is not None else root_hash(fingerprint)
+    for i in range(start, len(token_ids) - block_size + 1, block_size):
+        prev = hash_block(prev, token_ids[i:i + block_size])
+        out.append(prev)
+    return out
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "pin_count", "block_hash", "token_ids", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.pin_count = 0
+        self.block_hash: BlockHash | None = None
+        self.token_ids: tuple[int, ...] = ()    # kept for full blocks, to confirm a hash hit
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    @property
+    def evictable(self) -> bool:
+        return self.ref_count == 0 and self.pin_count == 0
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, pin={self.pin_count}, hashed={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Evictable blocks, least recently used at the head.
+
+    An intrusive doubly linked list through `Block.prev/next` (as vLLM's free queue): a prefix-cache hit
+    takes a block out of the middle in O(1), and no node is allocated per operation, which a deque
+    (O(n) removal) or an OrderedDict keyed by id (an allocation per insert) would not give.
+    """
+
+    def __init__(self, blocks: Iterable[Block]) -> None:
+        self._head = Block(-1)  # sentinels
+        self._tail = Block(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.size = 0
+        for b in blocks:
+            self.append(b)
+
+    def popleft(self) -> Block:
+        block = self._head.next
+        if block is self._tail or block is None:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def append(self, block: Block) -> None:
+        self._link(block, self._tail.prev, self._tail)
+
+    def appendleft(self, block: Block) -> None:
+        self._link(block, self._head, self._head.next)
+
+    def remove(self, block: Block) -> None:
+        assert block.prev is not None and block.next is not None, f"{block} is not queued"
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.size -= 1
+
+    def _link(self, block: Block, before: Block | None, after: Block | None) -> None:
+        assert block.prev is None and block.next is None, f"{block} is already queued"
+        assert before is not None and after is not None
+        block.prev, block.next = before, after
+        before.next = after.prev = block
+        self.size += 1
+
+    def ids(self) -> list[int]:
+        out, node = [], self._head.next
+        while node is not None and node is not self._tail:
+            out.append(node.block_id)
+            node = node.next
+        return out
+
+
+class PinCapError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    total: int
+    used: int        # ref_count > 0 or pin_count > 0
+    pinned: int      # pin_count > 0
+    cached: int      # evictable but still holding a hash (reusable)
+    free: int        # evictable (cached ones included)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, max_pinned_blocks: int | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, Block] = {}
+        self.max_pinned_blocks = num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
+        self.num_pinned = 0
+
+    @property
+    def num_blocks_total(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return self.free_queue.size
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[Block]:
+        """Take `n` blocks from the head of the free queue (LRU first); their old hashes are dropped."""
+        if n > self.free_queue.size:
+            raise MemoryError(f"need {n} blocks, {self.free_queue.size} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take one more reference on each block (a prefix-cache hit or a fork)."""
+        for block in blocks:
+            if block.evictable:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def free(self, blocks: Sequence[Block]) -> None:
+        """Drop one reference from each block, tail first.
+
+        NOTE: reverse order matters. Blocks reaching zero are queued so that a sequence's tail blocks
+        are evicted before its head blocks (the head is the part other prompts are likeliest to share).
+        Blocks without a hash hold nothing reusable and go to the head of the queue.
+        """
+        for block in reversed(blocks):
+            assert block.ref_count > 0, f"double free of {block}"
+            block.ref_count -= 1
+            if block.evictable:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> Block | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def cache_full_block(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        """Give a just-filled block its hash. If another block already holds this content, the
+        existing one stays the cached copy and this one stays private."""
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        self.cached[block_hash] = block
+
+    # -- pinning ------------------------------------------------------------------------------
+    def pin(self, blocks: Sequence[Block]) -> None:
+        """Pin every block once more, all or nothing: over the cap nothing changes."""
+        newly = len({b.block_id for b in blocks if b.pin_count == 0})
+        if self.num_pinned + newly > self.max_pinned_blocks:
+            raise PinCapError(
+                f"pinning {newly} more blocks would exceed the cap of {self.max_pinned_blocks} pinned "
+                f"blocks ({self.num_pinned} already pinned)")
+        for block in blocks:
+            assert block.block_hash is not None, "only full, hashed blocks can be pinned"
+            if block.evictable:
+                self.free_queue.remove(block)
+            if block.pin_count == 0:
+                self.num_pinned += 1
+            block.pin_count += 1
+
+    def unpin(self, blocks: Sequence[Block]) -> None:
+        for block in reversed(blocks):
+            assert block.pin_count > 0, f"unpin of unpinned {block}"
+            block.pin_count -= 1
+            if block.pin_count == 0:
+                self.num_pinned -= 1
+                if block.ref_count == 0:
+                    self.free_queue.append(block)
+
+    def stats(self) -> PoolStats:
+        total = len(self.blocks)
+        free = self.free_queue.size
+        cached = sum(1 for b in self.cached.values() if b.evictable)
+        return PoolStats(total=total, used=total - free, pinned=self.num_pinned, cached=cached, free=free)

@@ -1,0 +1,75 @@
+"""Builds one flattened batch per step (no padding), runs the model, samples.
+
+Per step the runner builds, with numpy rather than per-token Python loops:
+  input_ids [T], positions [T], slot_mapping [T], block_tables [S, max_blocks], seq_lens [S],
+  query_start_loc [S + 1], and logits_indices [N]: the last token of each sequence that samples.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.kv_cache import KVCache
+from engine.models.llama import LlamaForCausalLM
+from engine.sampler import Sampler, SamplerOutput
+from engine.scheduler import ScheduledSeq
+from kernels import AttentionBackend, AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
+                 device: str | torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = torch.device(device)
+        self.block_size = kv_cache.block_size
+        self.sampler = Sampler()
+
+    def prepare(self, batch: list[ScheduledSeq], block_tables: list[list[int]]) -> tuple[
+            torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        b = self.block_size
+        query_lens = [s.num_new for s in batch]
+        starts = [s.seq.num_computed for s in batch]
+        seq_lens = [st + q for st, q in zip(starts, query_lens)]
+        ids: list[int] = []
+        for s, st, q in zip(batch, starts, query_lens):
+            ids.extend(s.seq.token_ids[st:st + q])
+        qsl = np.zeros(len(batch) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        total = int(qsl[-1])
+        # position of every token: its sequence's start plus its offset within the chunk
+        seq_of_token = np.repeat(np.arange(len(batch)), query_lens)
+        positions = np.asarray(starts, dtype=np.int64)[seq_of_token] + (np.arange(total) - qsl[:-1][seq_of_token])
+        max_blocks = max(len(t) for t in block_tables)
+        tables = np.zeros((len(batch), max_blocks), dtype=np.int64)
+        for i, t in enumerate(block_tables):
+            tables[i, :len(t)] = t
+        slots = tables[seq_of_token, positions // b] * b + positions % b
+        logits_indices = [int(qsl[i + 1]) - 1 for i, s in enumerate(batch) if s.sample]
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens_list=seq_lens,
+            query_lens_list=query_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.from_numpy(positions).to(dev), md,
+                torch.tensor(logits_indices, dtype=torch.long, device=dev))
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq], block_tables: list[list[int]],
+                copies: list[tuple[int, int]]) -> SamplerOutput | None:
+        """Runs one step; returns the sampled tokens of the sequences with `sample` set (in order)."""
+        self.kv_cache.copy_blocks(copies)
+        input_ids, positions, md, logits_indices = self.prepare(batch, block_tables)
+        hidden = self.model(input_ids, positions, self.kv_cache.key, self.kv_cache.value, md, self.backend)
+        sampling = [s.seq for s in batch if s.sample]
+        if not sampling:
+            return None
+        logits = self.model.compute_logits(hidden[logits_indices])
+        return self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])

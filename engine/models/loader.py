@@ -1,0 +1,142 @@
+"""Load a Hugging Face checkpoint directory: config.json, safetensors weights (sharded or not), tokenizer.
+
+A hub id goes through huggingface_hub's snapshot_download where a network allows.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from engine.models.llama import LlamaForCausalLM, ModelArgs, rope_inv_freq
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    args: ModelArgs
+    tokenizer: Any                  # transformers PreTrainedTokenizerBase
+    path: Path
+    fingerprint: str                # hex; seeds the prefix-cache hashes
+    tokenizer_version: str          # hex of tokenizer files + chat template
+    eos_token_ids: list[int]
+
+
+def resolve_model_path(model: str) -> Path:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if os.sep in model and not path.exists() and model.count("/") > 1:
+        raise FileNotFoundError(f"model directory {model!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as exc:  # no network, unknown id, ...
+        raise FileNotFoundError(f"{model!r} is neither a local checkpoint directory nor a reachable hub id: {exc}") from exc
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def _fuse_map(args: ModelArgs) -> dict[str, tuple[str, int, int]]:
+    """HF weight name suffix -> (our parameter suffix, row offset, rows) for fused projections."""
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    inter = args.intermediate_size
+    return {
+        "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0, q),
+        "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", q, kv),
+        "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", q + kv, kv),
+        "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", 0, q),
+        "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", q, kv),
+        "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", q + kv, kv),
+        "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0, inter),
+        "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", inter, inter),
+    }
+
+
+def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    fuse = _fuse_map(model.args)
+    seen: set[str] = set()
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb" in name:
+                    continue
+                tensor = f.get_tensor(name)
+                ours = name.removeprefix("model.")
+                if ours == "lm_head.weight" and model.args.tie_word_embeddings:
+                    continue
+                target, rows = ours, None
+                if ours.startswith("layers."):
+                    idx, rest = ours[len("layers."):].split(".", 1)
+                    if rest in fuse:
+                        dst, off, n = fuse[rest]
+                        target, rows = f"layers.{idx}.{dst}", (off, n)
+                if target not in params:
+                    raise ValueError(f"unexpected weight {name!r} in {file.name}")
+                with torch.no_grad():
+                    p = params[target]
+                    if rows is None:
+                        p.copy_(tensor)
+                    else:
+                        p[rows[0]:rows[0] + rows[1]].copy_(tensor)
+                seen.add(target)
+    missing = [n for n in params if n not in seen and not (n == "lm_head.weight" and model.args.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little") + p)
+    return h.hexdigest()
+
+
+def load_model(model: str, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(model)
+    cfg = json.loads((path / "config.json").read_text())
+    args = ModelArgs.from_hf_config(cfg)
+    torch_dtype = _DTYPES[dtype]
+    with torch.device("meta"):
+        net = LlamaForCausalLM(args)
+    net = net.to_empty(device=device)
+    if args.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    load_weights(net, path)
+    net = net.to(dtype=torch_dtype)
+    net.rotary.inv_freq = rope_inv_freq(args).to(device)  # float32 whatever the weights' dtype
+    net.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tok_files = sorted(p for p in path.iterdir() if p.name.startswith(("tokenizer", "special_tokens", "chat_template")))
+    tokenizer_version = _digest(*(p.read_bytes() for p in tok_files),
+                                (getattr(tokenizer, "chat_template", None) or "").encode())
+    weights_cfg = json.dumps({k: v for k, v in cfg.items() if k != "transformers_version"}, sort_keys=True)
+    fingerprint = _digest(weights_cfg.encode(), tokenizer_version.encode())[:32]
+    eos = cfg.get("eos_token_id")
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id", eos)
+    eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    if not eos_ids and tokenizer.eos_token_id is not None:
+        eos_ids = [tokenizer.eos_token_id]
+    return LoadedModel(net, args, tokenizer, path, fingerprint, tokenizer_version, eos_ids)

@@ -1,0 +1,132 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, log-probabilities.
+
+One call samples one token for each row of a [N, V] logits batch. Rows are independent: a seeded
+request draws the same tokens whichever other requests share its batch and in whatever order, because
+its randomness comes only from its own generator and its own row.
+
+NOTE: each random row consumes exactly V exponential draws from its generator per step, and greedy rows
+consume none. A request's token stream is therefore a function of (seed, logits it sees) only.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import SamplingParams
+
+_SEED_MASK = (1 << 64) - 1      # torch.Generator.manual_seed takes 64-bit values
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A per-request generator on `device`: seeded from `seed` (taken mod 2**64) when given, else
+    from fresh OS entropy, so that unseeded requests never share a stream."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed if seed is not None else secrets.randbits(64)) & _SEED_MASK)
+    return generator
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]                           # log_softmax(raw logits) at the sampled token
+    top_logprobs: list[dict[int, float]] | None     # per row; {} for rows that did not ask; None if none asked
+
+
+class Sampler:
+    """Stateless; one instance serves every step.
+
+    Random rows: logits / temperature -> top-k -> top-p (on the top-k-renormalized distribution) ->
+    one draw per row with the exponential race: argmax(p / q), q ~ Exp(1) i.i.d. from the row's
+    generator, picks token i with probability p_i.
+    Greedy rows (temperature 0 or top_k 1): argmax of the raw logits, first index on ties.
+    Log-probabilities are always those of the raw, unscaled logits (what transformers and OpenAI report).
+    """
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator]) -> SamplerOutput:
+        # logits: [N, V] float32; params[i] and generators[i] belong to row i.
+        # Greedy rows' generators are never touched.
+        num_rows, vocab = logits.shape
+        assert len(params) == num_rows == len(generators), (logits.shape, len(params), len(generators))
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)                 # [N, V]
+        token_ids = logits.argmax(dim=-1)                                # [N]; greedy answer for every row
+
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            probs = self._filtered_probs(logits[index], [params[i] for i in random_rows])  # [M, V]
+            race = torch.empty_like(probs)                               # [M, V]
+            for j, i in enumerate(random_rows):
+                race[j].exponential_(generator=generators[i])
+            race.clamp_(min=torch.finfo(race.dtype).tiny)                # never divide by an exact 0
+            token_ids[index] = (probs / race).argmax(dim=-1)
+
+        ids = token_ids.tolist()
+        logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+        return SamplerOutput(token_ids=ids, logprobs=logprobs,
+                             top_logprobs=self._top_logprobs(raw_logprobs, ids, logprobs, params))
+
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The exact distribution `__call__` draws each row from: [N, V], rows sum to 1.
+        Greedy rows are one-hot at the argmax."""
+        logits = logits.float()
+        out = torch.zeros_like(logits)
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        out[greedy] = torch.nn.functional.one_hot(
+            logits[greedy].argmax(dim=-1), logits.shape[-1]).to(out.dtype)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            out[index] = self._filtered_probs(logits[index], [params[i] for i in random_rows])
+        return out
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        # logits: [M, V] of non-greedy rows -> probabilities after temperature, top-k, top-p.
+        device, vocab = logits.device, logits.shape[-1]
+        temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+        scaled = logits / temperature.unsqueeze(1)
+        top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+        # top_p == 1 is "off": +inf keeps the float32 cumsum, which may round up to 1, from cutting the tail.
+        top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
+        if all(k >= vocab for k in top_k) and all(p == float("inf") for p in top_p):
+            return torch.softmax(scaled, dim=-1)                         # no filtering: skip the sort
+
+        # One descending sort serves both filters. Ties at the k-th place are broken by sort order,
+        # so exactly min(k, V) tokens survive top-k.
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)      # [M, V]
+        rank = torch.arange(vocab, device=device).unsqueeze(0)           # [1, V]
+        k = torch.tensor(top_k, device=device).clamp(max=vocab).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Nucleus: keep token r iff the mass strictly above it is < p. That is the smallest prefix whose
+        # mass reaches p, and rank 0 (mass above = 0 < p) always stays.
+        p = torch.tensor(top_p, device=device, dtype=sorted_probs.dtype).unsqueeze(1)
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        keep = (mass_above < p) | (rank == 0)
+        sorted_probs = sorted_probs.masked_fill(~keep, 0.0)
+        sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+        return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+
+    @staticmethod
+    def _top_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int], logprobs: list[float],
+                      params: list[SamplingParams]) -> list[dict[int, float]] | None:
+        # One topk over all rows at the largest n asked; each row keeps its own first n.
+        # A dict holds n entries, or n + 1 when the sampled token is not among the top n.
+        wanted = [p.logprobs for p in params]
+        if all(n is None for n in wanted):
+            return None
+        max_n = min(max(n for n in wanted if n is not None), raw_logprobs.shape[-1])
+        values, ids = raw_logprobs.topk(max_n, dim=-1)                  # [N, max_n], sorted
+        values_l, ids_l = values.tolist(), ids.tolist()
+        out: list[dict[int, float]] = []
+        for row, n in enumerate(wanted):
+            entry: dict[int, float] = {}
+            if n is not None:
+                entry = dict(zip(ids_l[row][:n], values_l[row][:n]))
+                entry[token_ids[row]] = logprobs[row]    # the sampled token is always reported
+            out.append(entry)
+        return out
