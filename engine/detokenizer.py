@@ -111,18 +111,19 @@ class IncrementalDetokenizer:
         return window_text[len(prefix_text):]
 
     def _match_stop(self, text: str | None = None) -> bool:
-        """Find the earliest stop string in `text` (default `_pending`); on a match, cut `_pending`
-        right before it and record it."""
+        """Look for stop strings in `text` (default `_pending`); on a match, cut `_pending` right before
+        it and record it. The match that ends first wins, as if text arrived one character at a time,
+        so the result does not depend on how tokens split the text; on a tie the earlier start wins."""
         text = self._pending if text is None else text
-        best: tuple[int, str] | None = None
+        best: tuple[int, int, str] | None = None
         for stop in self._stop:
             at = text.find(stop)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, stop)
+            if at >= 0 and (best is None or (at + len(stop), at) < best[:2]):
+                best = (at + len(stop), at, stop)
         if best is None:
             return False
-        self._pending = text[:best[0]]
-        self.stop_reason = best[1]
+        self._pending = text[:best[1]]
+        self.stop_reason = best[2]
         return True
 
     def _held_suffix_len(self) -> int:

@@ -190,7 +190,7 @@ class LLMEngine:
             stop_reason=seq.stop_reason, cumulative_logprob=seq.cumulative_logprob,
             logprobs=seq.logprobs[-len(delta_ids):] if seq.logprobs and delta_ids else None)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, [out], seq.finished,
-                             num_cached_tokens=max(seq.num_cached_tokens, 0))
+                             num_cached_tokens=max(seq.num_cached_tokens, 0), error=seq.error)
 
     # -- prefixes -----------------------------------------------------------------------------
     def check_pin(self, token_ids: list[int]) -> None:

@@ -80,6 +80,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    error: str | None = None            # set when the engine had to end the request itself
 
     @property
     def num_prompt_tokens(self) -> int:
