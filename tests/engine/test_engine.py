@@ -1,0 +1,157 @@
+"""Engine behaviour on a tiny checkpoint: pins under pressure, refusals, aborts, seeds, stop strings, the
+scheduler's budgets and the async engine's streaming and cancellation."""
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, AsyncEngine, EngineConfig, InvalidRequest, PinCapExceeded, SamplingParams
+from engine.llm_engine import LLMEngine
+
+
+def toks(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 380) for _ in range(n)]
+
+
+def test_pinned_prefix_survives_pressure_unpinned_one_is_evicted(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=40)
+    pinned, seen = toks(16, 1), toks(16, 2)
+    assert llm.pin_prefix(pinned).num_pinned_blocks == 4
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([seen + [5]], greedy)
+    assert llm.generate([seen + [6]], greedy)[0].num_cached_tokens == 16      # seen: cached for now
+    for i in range(12):                                                      # flood with unrelated prompts
+        llm.generate([toks(40, 100 + i)], greedy)
+    assert llm.generate([pinned + [7]], greedy)[0].num_cached_tokens == 16    # pinned: still all there
+    assert llm.generate([seen + [8]], greedy)[0].num_cached_tokens == 0       # seen: evicted
+    stats = llm.stats()
+    assert stats.kv_blocks_used == stats.kv_blocks_pinned == 4
+    assert llm.unpin_prefix(pinned) == 4
+    assert llm.stats().kv_blocks_pinned == 0 and llm.stats().kv_blocks_used == 0
+
+
+def test_pin_over_cap_refused_whole(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=20, pinned_fraction=0.5)  # cap 10 blocks
+    llm.pin_prefix(toks(32, 3))                                                # 8 blocks
+    with pytest.raises(PinCapExceeded):
+        llm.pin_prefix(toks(12, 4))                                            # 3 more > 10
+    assert llm.stats().kv_blocks_pinned == 8 and llm.stats().kv_blocks_used == 8
+    again = llm.pin_prefix(toks(32, 3))                                        # same prefix: no new blocks
+    assert again.num_pinned_blocks == 8 and llm.stats().kv_blocks_pinned == 8
+
+
+def test_requests_that_can_never_fit_are_refused_at_add(tiny_llama_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=10, max_model_len=64))
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("a", toks(70, 5), SamplingParams(max_tokens=1))
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("b", toks(20, 5), SamplingParams(max_tokens=50))
+    assert e.value.param == "max_tokens"
+    with pytest.raises(InvalidRequest):                                        # 48 tokens > 10 blocks of 4
+        engine.add_request("c", toks(40, 5), SamplingParams(max_tokens=8))
+    with pytest.raises(InvalidRequest):
+        engine.add_request("d", [], SamplingParams())
+    with pytest.raises(InvalidRequest):
+        engine.add_request("e", [10**6], SamplingParams())
+    assert not engine.has_unfinished()
+
+
+def test_abort_frees_every_block(tiny_llama_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=64))
+    for i in range(4):
+        engine.add_request(f"r{i}", toks(10 + i, i), SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.stats().kv_blocks_used > 0
+    outs = [engine.abort(f"r{i}") for i in range(4)]
+    assert all(o is not None and o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished()
+    assert engine.abort("r0") is None                                           # idempotent
+
+
+def test_seeded_sampling_independent_of_batch(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), block_size=8, num_kv_blocks=256)
+    p = toks(12, 9)
+    seeded = SamplingParams(temperature=1.0, seed=42, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([p], seeded)[0].outputs[0].token_ids
+    crowd = [toks(5 + i, 50 + i) for i in range(5)]
+    mixed = llm.generate(crowd[:2] + [p] + crowd[2:], [SamplingParams(temperature=1.0, max_tokens=16)] * 2
+                         + [seeded] + [SamplingParams(temperature=0.7, max_tokens=9)] * 3)
+    assert mixed[2].outputs[0].token_ids == alone
+    other = llm.generate([p], SamplingParams(temperature=1.0, seed=43, max_tokens=16, ignore_eos=True))
+    assert other[0].outputs[0].token_ids != alone
+
+
+def test_stop_string_cut_and_deltas_match_text(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=128)
+    p = toks(8, 11)
+    full = llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    text = full.text
+    assert text == llm.tokenizer.decode(full.token_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert len(stop) == 3
+    cut = llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[:text.index(stop)]
+
+
+def test_chunked_prefill_respects_token_budget_and_decodes_go_first(tiny_llama_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=256,
+                                    max_num_batched_tokens=16))
+    engine.add_request("short", toks(3, 1), SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()                                                   # short prefilled, now decoding
+    engine.add_request("long", toks(50, 2), SamplingParams(max_tokens=2, ignore_eos=True))
+    for _ in range(4):
+        sched = engine.scheduler.schedule()
+        assert sched.num_tokens <= 16
+        assert sched.scheduled[0].seq.request_id == "short" and sched.scheduled[0].num_new == 1
+        long = engine.requests["long"]
+        assert sched.scheduled[1].seq is long and sched.scheduled[1].num_new == min(15, 50 - long.num_computed)
+        tables = [engine.manager.block_table(s.seq.seq_id) for s in sched.scheduled]
+        engine.runner.execute(sched.scheduled, tables, sched.copies)
+        engine.scheduler.update(sched)
+        for s in sched.scheduled:
+            if s.sample:
+                s.seq.token_ids.append(5)
+    assert engine.requests["long"].num_computed == 50                 # 15 * 3 + 5 over four steps
+
+
+async def test_async_engine_streams_and_aborts_within_a_step(tiny_llama_dir: Path) -> None:
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
+    await eng.start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        deltas, ids = [], []
+        async for out in eng.generate(toks(9, 1), params):
+            deltas.append(out.outputs[0].text)
+            ids += out.outputs[0].token_ids
+        assert len(ids) == 10 and "".join(deltas) == eng.tokenizer.decode(ids, skip_special_tokens=True)
+        assert out.finished and out.outputs[0].finish_reason == "length"
+
+        agen = eng.generate(toks(9, 2), SamplingParams(max_tokens=500, ignore_eos=True))
+        async for _ in agen:
+            break
+        await agen.aclose()
+        for _ in range(50):
+            if eng.stats().kv_blocks_used == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.stats().kv_blocks_used == 0 and eng.stats().requests_running == 0
+
+        with pytest.raises(InvalidRequest):
+            async for _ in eng.generate([], params):
+                pass
+        # many at once, all finish
+        async def one(i: int) -> int:
+            n = 0
+            async for o in eng.generate(toks(5 + i, i), SamplingParams(max_tokens=5 + i, ignore_eos=True)):
+                n += len(o.outputs[0].token_ids)
+            return n
+        assert await asyncio.gather(*(one(i) for i in range(8))) == [5 + i for i in range(8)]
+    finally:
+        await eng.shutdown()
