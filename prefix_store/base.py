@@ -1,0 +1,211 @@
+"""The prefix registry's value objects, errors and the `PrefixStore` protocol every backend implements.
+
+A registered prefix is keyed by (model fingerprint, name): replicas serving different models or
+tokenizers share one Redis without seeing each other's token ids.
+"""
+from __future__ import annotations
+
+import builtins
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+EventKind = Literal["registered", "deleted", "resync"]
+SOURCE_KEYS = ("prompt", "messages", "token_ids")
+
+
+class PrefixStoreError(Exception):
+    """Base class of the errors a `PrefixStore` raises."""
+
+
+class PrefixConflict(PrefixStoreError):
+    """The name is taken by a prefix with different content (HTTP 409). `existing` is the stored one."""
+
+    def __init__(self, existing: PrefixRecord) -> None:
+        super().__init__(
+            f"prefix {existing.name!r} is already registered with different content "
+            f"({len(existing.token_ids)} tokens); delete it first to replace it"
+        )
+        self.existing = existing
+
+
+class StoreUnavailable(PrefixStoreError):
+    """The backend cannot be reached or did not answer in time (HTTP 503); the caller may retry."""
+
+
+@dataclass
+class PrefixRecord:
+    """A named prefix: what was registered (`source`) and what it tokenized to (`token_ids`).
+
+    `block_hashes` are the hex hashes of the prefix's full KV blocks, chained from the model
+    fingerprint, so another replica can check it hashes the same tokens the same way.
+    """
+
+    name: str
+    fingerprint: str                  # model fingerprint (weights config + tokenizer), hex
+    token_ids: list[int]
+    source: dict[str, Any]            # {"prompt": str} | {"messages": [...]} | {"token_ids": [...]}
+    block_hashes: list[str] = field(default_factory=list)
+    tokenizer_version: str = ""
+    description: str | None = None
+    created_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("prefix name must not be empty")
+        if not self.fingerprint:
+            raise ValueError("prefix fingerprint must not be empty")
+        if not any(key in self.source for key in SOURCE_KEYS):
+            raise ValueError(f"prefix source must hold one of {SOURCE_KEYS}, got {sorted(self.source)}")
+
+    def same_content(self, other: PrefixRecord) -> bool:
+        """True when both records pin the same tokens for the same model (name and metadata aside)."""
+        return self.fingerprint == other.fingerprint and self.token_ids == other.token_ids
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "fingerprint": self.fingerprint,
+            "token_ids": builtins.list(self.token_ids),
+            "source": self.source,
+            "block_hashes": builtins.list(self.block_hashes),
+            "tokenizer_version": self.tokenizer_version,
+            "description": self.description,
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PrefixRecord:
+        """Inverse of `to_dict`; unknown keys are ignored so older replicas read newer records."""
+        return cls(
+            name=str(data["name"]),
+            fingerprint=str(data["fingerprint"]),
+            token_ids=[int(t) for t in data["token_ids"]],
+            source=dict(data["source"]),
+            block_hashes=[str(h) for h in data.get("block_hashes", ())],
+            tokenizer_version=str(data.get("tokenizer_version", "")),
+            description=data.get("description"),
+            created_at=float(data.get("created_at", 0.0)),
+        )
+
+
+@dataclass
+class ReplicaInfo:
+    """One replica's heartbeat: where it listens, what it has pinned, how busy it is."""
+
+    replica_id: str
+    address: str
+    pinned: list[str] = field(default_factory=list)        # names of the prefixes it has pinned
+    load: dict[str, float] = field(default_factory=dict)   # e.g. {"running": 3, "waiting": 0}
+    fingerprint: str = ""
+    updated_at: float = field(default_factory=time.time)   # wall clock of the last heartbeat
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "address": self.address,
+            "pinned": builtins.list(self.pinned),
+            "load": dict(self.load),
+            "fingerprint": self.fingerprint,
+            "updated_at": self.updated_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplicaInfo:
+        return cls(
+            replica_id=str(data["replica_id"]),
+            address=str(data["address"]),
+            pinned=[str(n) for n in data.get("pinned", ())],
+            load=dict(data.get("load", {})),
+            fingerprint=str(data.get("fingerprint", "")),
+            updated_at=float(data.get("updated_at", 0.0)),
+        )
+
+
+@dataclass(frozen=True)
+class PrefixEvent:
+    """An announcement on the registry's channel.
+
+    `registered` / `deleted`: `origin` made the change to (`fingerprint`, `name`); a replica's own
+    changes come back to it too, so consumers filter on `origin`.
+
+    `resync` (fingerprint, name and origin empty) is never sent by anyone: `events()` yields it
+    each time its subscription is (re)established, the first time included. Announcements made
+    before it may have been missed, so the consumer reconciles its pinned set with `list()`.
+    NOTE: check `kind` before filtering on `fingerprint`, or resyncs are dropped.
+    """
+
+    kind: EventKind
+    fingerprint: str = ""
+    name: str = ""
+    origin: str = ""
+
+    @classmethod
+    def resync(cls) -> PrefixEvent:
+        return cls(kind="resync")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "fingerprint": self.fingerprint, "name": self.name, "origin": self.origin}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PrefixEvent:
+        """Decode a wire announcement; only `registered` and `deleted` travel on the wire."""
+        kind = data["kind"]
+        if kind not in ("registered", "deleted"):
+            raise ValueError(f"unknown prefix event kind {kind!r}")
+        return cls(
+            kind=kind, fingerprint=str(data["fingerprint"]), name=str(data["name"]), origin=str(data["origin"])
+        )
+
+
+class PrefixStore(Protocol):
+    """Async registry of named prefixes, replica heartbeats and change announcements.
+
+    Every method except `events()` and `ping()` raises `StoreUnavailable` when the backend is down.
+    Records are values: mutating one that was passed in or returned never changes the store.
+    """
+
+    async def put(self, record: PrefixRecord, origin: str) -> tuple[PrefixRecord, bool]:
+        """Register `record` atomically, announcing it on success.
+
+        Returns (record, True) when it was stored, or (the stored record, False) when one with the same
+        content was already there (its metadata wins). Raises `PrefixConflict` when the name holds
+        different content. Of concurrent puts of one name, exactly one ever gets created=True.
+        """
+        ...
+
+    async def get(self, fingerprint: str, name: str) -> PrefixRecord | None: ...
+
+    async def list(self, fingerprint: str | None = None) -> builtins.list[PrefixRecord]:
+        """Records of one fingerprint (None: of every fingerprint), sorted by (fingerprint, name)."""
+        ...
+
+    async def delete(self, fingerprint: str, name: str, origin: str) -> bool:
+        """Remove a record atomically, announcing it; False when there was none."""
+        ...
+
+    async def heartbeat(self, info: ReplicaInfo, ttl_s: float) -> None:
+        """Record that `info.replica_id` is alive for the next `ttl_s` seconds (stamps `updated_at`)."""
+        ...
+
+    async def replicas(self, fingerprint: str | None = None) -> builtins.list[ReplicaInfo]:
+        """Replicas whose heartbeat has not expired, sorted by id; None: of every fingerprint."""
+        ...
+
+    def events(self) -> AsyncGenerator[PrefixEvent, None]:
+        """A new subscription to announcements, own ones included; first item is a `resync`.
+
+        Never raises backend errors: it waits for the backend to come back, then yields `resync`.
+        Ends when the store is closed. It is an async generator: consume it from one task with
+        `async for`; cancelling a pending `anext()` (e.g. by `asyncio.wait_for`) ends it.
+        """
+        ...
+
+    async def ping(self) -> bool:
+        """True when the backend answers; never raises."""
+        ...
+
+    async def aclose(self) -> None:
+        """End every `events()` iterator and release the backend (the injected client included)."""
+        ...
