@@ -2,16 +2,21 @@
 
 Token ids become text through a sliding window (the prefix_offset / read_offset method of TGI and vLLM):
 
-    ids:   ... | prefix_offset ........ read_offset ........ end |
-                 already emitted,        not yet emitted
-                 decoded again for context
+    ids:  ... | emitted, decoded again for context | not yet emitted |
+                ^ prefix_offset                      ^ read_offset     ^ end
 
     delta = decode(ids[prefix_offset:])[len(decode(ids[prefix_offset:read_offset])):]
 
 Decoding a few earlier tokens together with the new ones lets the tokenizer see merges and leading
 spaces the way a full decode would. When the window's text ends in U+FFFD, the last token stopped in the
 middle of a character; nothing is emitted and the offsets stay put until a later token completes it.
-The window then only spans the last emitted chunk plus the held tokens, so a token costs O(window).
+The window spans the last emitted chunk plus the held tokens, so a token costs O(window), not
+O(output length). (It only grows while tokens keep producing no complete text: a run of skipped special
+tokens or of invalid bytes.)
+
+The first window starts with the last prompt tokens (as in vLLM), so a SentencePiece tokenizer gives the
+first output token its leading space; for those tokenizers the stream may then differ from
+decode(output_ids) alone by that space. Byte-level BPE tokenizers decode the same either way.
 
 Stop strings are searched in `_pending`, the decoded text not yet handed out. `_pending` keeps the
 longest suffix that is a prefix of some stop string (at most max_stop_len - 1 characters); everything
