@@ -11,7 +11,6 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledSeq
 from kernels import AttentionBackend, AttentionMetadata
 
@@ -24,7 +23,6 @@ class ModelRunner:
         self.backend = backend
         self.device = torch.device(device)
         self.block_size = kv_cache.block_size
-        self.sampler = Sampler()
 
     def prepare(self, batch: list[ScheduledSeq], block_tables: list[list[int]]) -> tuple[
             torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -63,13 +61,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], block_tables: list[list[int]],
-                copies: list[tuple[int, int]]) -> SamplerOutput | None:
-        """Runs one step; returns the sampled tokens of the sequences with `sample` set (in order)."""
+                copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Runs one step; returns float32 logits [N, V] for the sequences with `sample` set, in order."""
         self.kv_cache.copy_blocks(copies)
         input_ids, positions, md, logits_indices = self.prepare(batch, block_tables)
         hidden = self.model(input_ids, positions, self.kv_cache.key, self.kv_cache.value, md, self.backend)
-        sampling = [s.seq for s in batch if s.sample]
-        if not sampling:
-            return None
-        logits = self.model.compute_logits(hidden[logits_indices])
-        return self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        return self.model.compute_logits(hidden[logits_indices])

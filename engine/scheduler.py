@@ -52,6 +52,11 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (its blocks already shared through the block manager)."""
+        seq.status = Status.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -90,8 +95,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.seq_id in scheduled_ids or seq.status is not Status.RUNNING:
-                continue
+            if seq.seq_id in scheduled_ids or seq.status is not Status.RUNNING or seq.num_tokens == seq.num_computed:
+                continue  # (a beam whose logits wait for its siblings has nothing to compute)
             num_new = min(seq.num_tokens - seq.num_computed, budget)
             if not self.manager.grow(seq.seq_id, seq.num_computed + num_new, write_from=seq.num_computed):
                 continue

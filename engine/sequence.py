@@ -22,7 +22,7 @@ class SamplingParams:
     logprobs: int | None = None         # top-k log-probabilities per sampled token
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    early_stopping: bool = False
+    early_stopping: bool | str = False  # True | False | "never" (transformers' meanings)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +44,12 @@ class SamplingParams:
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              "logprobs", "logprobs must be within [0, 20]"),
             (self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer"),
+            (self.best_of <= 64, "best_of", "best_of (and n) must be <= 64"),
+            (not self.use_beam_search or (self.top_p == 1.0 and self.top_k in (-1, 0)), "use_beam_search",
+             "beam search is deterministic: top_p and top_k cannot be set with it"),
+            (self.early_stopping in (True, False, "never"), "early_stopping",
+             "early_stopping must be true, false or \"never\""),
+            (-10.0 <= self.length_penalty <= 10.0, "length_penalty", "length_penalty must be within [-10, 10]"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -113,6 +119,9 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.pin_on_finish = False            # a prefix computed to be pinned (engine.pin_prefix)
+        self.group: SequenceGroup | None = None
+        self.index = 0                        # output index within its request
+        self.pending_logprobs = None          # beam search: this beam's next-token log-probs, awaiting siblings
         self.detokenizer = None               # set by the engine (IncrementalDetokenizer)
         self.generator = None                 # torch.Generator, set by the engine
         self.error: str | None = None
@@ -140,3 +149,36 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, req={self.request_id!r}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed}, {self.status.value})")
+
+
+class SequenceGroup:
+    """One request: its sequences (several for n > 1, best_of or beam search) and how they are combined.
+
+    Parallel sampling: the prompt is computed once by sequence 0; when its prefill ends, best_of - 1
+    children fork from it, sharing every block by reference count. Beam search: the live beams are the
+    group's running sequences; `beam` holds the search state (engine/beam_search.py).
+    """
+
+    def __init__(self, request_id: str, params: SamplingParams, first: Sequence) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.seqs: list[Sequence] = [first]   # every sequence ever in the group (beams: the live ones)
+        self.forked = False
+        self.beam = None                      # BeamSearch when params.use_beam_search
+        self.error: str | None = None
+        first.group = self
+
+    @property
+    def best_of(self) -> int:
+        return self.params.best_of or self.params.n
+
+    @property
+    def streams(self) -> bool:
+        """Deltas flow as they come only when every sequence is returned as it is generated."""
+        return not self.params.use_beam_search and self.best_of == self.params.n
+
+    @property
+    def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
+        return all(s.finished for s in self.seqs) and (self.forked or self.best_of == 1)

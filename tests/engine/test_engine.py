@@ -110,7 +110,7 @@ def test_chunked_prefill_respects_token_budget_and_decodes_go_first(tiny_llama_d
         sched = engine.scheduler.schedule()
         assert sched.num_tokens <= 16
         assert sched.scheduled[0].seq.request_id == "short" and sched.scheduled[0].num_new == 1
-        long = engine.requests["long"]
+        long = engine.requests["long"].seqs[0]
         assert sched.scheduled[1].seq is long and sched.scheduled[1].num_new == min(15, 50 - long.num_computed)
         tables = [engine.manager.block_table(s.seq.seq_id) for s in sched.scheduled]
         engine.runner.execute(sched.scheduled, tables, sched.copies)
@@ -118,7 +118,7 @@ def test_chunked_prefill_respects_token_budget_and_decodes_go_first(tiny_llama_d
         for s in sched.scheduled:
             if s.sample:
                 s.seq.token_ids.append(5)
-    assert engine.requests["long"].num_computed == 50                 # 15 * 3 + 5 over four steps
+    assert engine.requests["long"].seqs[0].num_computed == 50                 # 15 * 3 + 5 over four steps
 
 
 async def test_async_engine_streams_and_aborts_within_a_step(tiny_llama_dir: Path) -> None:
