@@ -54,6 +54,8 @@ class TorchAttentionBackend:
         pad = pos[None, :] >= md.seq_lens.to(q.device)[:, None].long()           # [S, L]
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        # slots past a sequence's end belong to nobody: zero them so a stale NaN there cannot leak in as 0 * NaN
+        v = v.masked_fill(pad[:, :, None, None], 0)
         out = torch.einsum("shgl,slhd->shgd", probs, v.float())
         return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 

@@ -1,0 +1,36 @@
+"""TritonAttentionBackend: the GPU path, wiring the four Triton launchers behind the backend protocol.
+
+forward sends decode-only batches (one query token per sequence) to the split-KV decode kernel and
+everything else (prefill chunks, prefix-hit extends, mixed batches) to the paged prefill kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.block_copy import copy_blocks
+from kernels.kv_write import kv_write
+from kernels.metadata import AttentionMetadata
+from kernels.paged_decode import paged_decode
+from kernels.paged_prefill import paged_prefill
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, md: AttentionMetadata) -> None:
+        # key / value: [num_tokens, num_kv_heads, head_dim]
+        kv_write(key_cache, value_cache, key, value, md.slot_mapping)
+
+    def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]
+        if md.is_decode_only:
+            assert q.shape[0] == md.num_seqs, "a decode-only batch has one query token per sequence"
+            return paged_decode(q, key_cache, value_cache, md.block_tables, md.seq_lens, md.max_seq_len, scale)
+        return paged_prefill(q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                             md.max_query_len, scale)
+
+    def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                    src: torch.Tensor, dst: torch.Tensor) -> None:
+        copy_blocks(key_caches, value_caches, src, dst)
