@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.llama import ModelArgs
+from kernels import AttentionBackend
 
 
 class KVCache:
@@ -30,11 +31,11 @@ class KVCache:
     def blocks_for_budget(cls, args: ModelArgs, block_size: int, dtype: torch.dtype, budget_bytes: float) -> int:
         return max(1, int(budget_bytes // cls.bytes_per_block(args, block_size, dtype)))
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
+    def copy_blocks(self, pairs: list[tuple[int, int]], backend: AttentionBackend) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block),
+        with the attention backend's block-copy (a Triton kernel on GPUs)."""
         if not pairs:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.key.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.key.device)
-        self.key[:, dst] = self.key[:, src]
-        self.value[:, dst] = self.value[:, src]
+        backend.copy_blocks(list(self.key.unbind(0)), list(self.value.unbind(0)), src, dst)

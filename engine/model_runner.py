@@ -63,7 +63,7 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq], block_tables: list[list[int]],
                 copies: list[tuple[int, int]]) -> torch.Tensor:
         """Runs one step; returns float32 logits [N, V] for the sequences with `sample` set, in order."""
-        self.kv_cache.copy_blocks(copies)
+        self.kv_cache.copy_blocks(copies, self.backend)
         input_ids, positions, md, logits_indices = self.prepare(batch, block_tables)
         hidden = self.model(input_ids, positions, self.kv_cache.key, self.kv_cache.value, md, self.backend)
         return self.model.compute_logits(hidden[logits_indices])
