@@ -1,0 +1,94 @@
+"""The aiohttp application: routes, middlewares, and the engine's lifetime (a cleanup_ctx).
+
+The model loads on a worker thread after the server starts listening, so /health answers 503
+(warming) meanwhile. On shutdown (SIGTERM under `web.run_app`), aiohttp stops accepting, runs
+on_shutdown (we start draining: new requests get 503), waits up to `shutdown_timeout` for running
+handlers, cancels the rest (their `finally` aborts their requests), then the cleanup_ctx stops the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from engine.config import EngineConfig
+from service import chat, completions, openapi, status, websocket
+from service.config import ServiceConfig
+from service.errors import error_middleware
+from service.metrics import METRICS, Metrics, metrics_middleware
+from service.prefix_hook import PREFIX_RESOLVER, no_prefixes
+from service.state import STATE, ServiceState
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+_LOADER = web.AppKey("engine_loader", asyncio.Task)
+
+
+def create_app(config: ServiceConfig) -> web.Application:
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[metrics_middleware, error_middleware])
+    state = ServiceState(config)
+    app[STATE] = state
+    app[METRICS] = Metrics(lambda: state.engine.stats() if state.engine is not None else None)
+    app[PREFIX_RESOLVER] = no_prefixes
+    app.cleanup_ctx.append(_engine_ctx)
+    app.on_shutdown.append(_start_draining)
+    websocket.setup(app)
+    app.router.add_post("/v1/completions", completions.create_completion)
+    app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
+    app.router.add_get("/v1/models", status.list_models)
+    app.router.add_get("/health", status.health)
+    app.router.add_get("/metrics", status.metrics)
+    app.router.add_get("/openapi.json", openapi.handle)
+    app.router.add_get("/", _index)
+    app.router.add_static("/static", str(resources.files("service") / "static"))
+    return app
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The runner tests and benchmarks use; `prefixserve serve` passes the same options to run_app."""
+    return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=app[STATE].config.shutdown_timeout,
+                         access_log=None)
+
+
+async def _index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(str(resources.files("service") / "static" / "index.html"),
+                            headers={"Cache-Control": "no-cache"})
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    app[_LOADER] = asyncio.create_task(_load(state), name="engine-load")
+    yield
+    app[_LOADER].cancel()
+    if state.engine is not None:
+        await state.engine.shutdown()
+
+
+async def _load(state: ServiceState) -> None:
+    config = state.config.engine_config()
+    try:
+        engine = await asyncio.get_running_loop().run_in_executor(None, _build_engine, config)
+        await engine.start()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("loading the model failed")
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        return
+    state.engine = engine
+    log.info("ready: %s (max_model_len %d)", state.model_name, engine.max_model_len)
+
+
+def _build_engine(config: EngineConfig) -> AsyncEngine:
+    from engine.async_engine import AsyncEngine  # torch loads here, off the event loop
+    return AsyncEngine(config)
+
+
+async def _start_draining(app: web.Application) -> None:
+    app[STATE].draining = True

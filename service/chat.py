@@ -1,0 +1,50 @@
+"""POST /v1/chat/completions: messages through the model's chat template, streaming or not."""
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from service.generation import ChoiceDelta, Generation
+from service.protocol import check_model, parse_messages, parse_request, read_json
+from service.respond import respond
+from service.state import STATE
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine = state.ready_engine()
+    body = await read_json(request)
+    check_model(body, state.model_name)
+    req = parse_request(body, chat=True, max_choices=state.config.max_choices)
+    prompt = parse_messages(body.get("messages"), engine.tokenizer)
+    model = state.model_name
+    started: set[int] = set()      # choices whose first chunk (with the role) went out
+
+    def head(gen: Generation) -> dict[str, Any]:
+        return {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,
+                "model": model}
+
+    def chunks(gen: Generation, d: ChoiceDelta) -> list[dict[str, Any]]:
+        delta: dict[str, Any] = {"content": d.text} if d.text or d.finish_reason is None else {}
+        if d.index not in started:
+            started.add(d.index)
+            delta = {"role": "assistant", "content": d.text}
+        chunk: dict[str, Any] = {**head(gen), "choices": [
+            {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}]}
+        if req.return_token_ids:
+            chunk["choices"][0]["token_ids"] = d.token_ids
+        if req.include_usage:
+            chunk["usage"] = None
+        return [chunk]
+
+    def body_of(gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]:
+        out = {**head(gen), "object": "chat.completion", "choices": [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+             "finish_reason": c.finish_reason, **({"token_ids": c.token_ids} if req.return_token_ids else {})}
+            for c in choices]}
+        if req.return_token_ids:
+            out["prompt_token_ids"] = gen.prompts[0]
+        return out
+
+    return await respond(request, [prompt], req, head=head, chunks=chunks, body=body_of)

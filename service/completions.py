@@ -1,0 +1,45 @@
+"""POST /v1/completions (OpenAI legacy completions), streaming or not."""
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from service.generation import ChoiceDelta, Generation
+from service.protocol import GenerationRequest, check_model, parse_prompts, parse_request, read_json
+from service.respond import respond
+from service.state import STATE
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine = state.ready_engine()
+    body = await read_json(request)
+    check_model(body, state.model_name)
+    req = parse_request(body, chat=False, max_choices=state.config.max_choices)
+    prompts = parse_prompts(body, engine.tokenizer)
+    model = state.model_name
+
+    def head(gen: Generation) -> dict[str, Any]:
+        return {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": model}
+
+    def chunks(gen: Generation, d: ChoiceDelta) -> list[dict[str, Any]]:
+        chunk = {**head(gen), "choices": [_choice(d, req)]}
+        if req.include_usage:
+            chunk["usage"] = None
+        return [chunk]
+
+    def body_of(gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]:
+        out = {**head(gen), "choices": [_choice(c, req) for c in choices]}
+        if req.return_token_ids:
+            out["prompt_token_ids"] = gen.prompts
+        return out
+
+    return await respond(request, prompts, req, head=head, chunks=chunks, body=body_of)
+
+
+def _choice(d: ChoiceDelta, req: GenerationRequest) -> dict[str, Any]:
+    c: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+    if req.return_token_ids:
+        c["token_ids"] = d.token_ids
+    return c

@@ -1,0 +1,47 @@
+"""The shared shape of a generation endpoint: prefix, submit, then stream (SSE) or answer once."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from service import sse
+from service.errors import invalid
+from service.generation import ChoiceDelta, Generation
+from service.metrics import METRICS
+from service.prefix_hook import PREFIX_RESOLVER
+from service.protocol import GenerationRequest
+from service.state import STATE
+
+ChunkFn = Callable[[Generation, ChoiceDelta], list[dict[str, Any]]]   # one delta -> SSE chunks
+BodyFn = Callable[[Generation, list[ChoiceDelta]], dict[str, Any]]    # all choices -> JSON body
+HeadFn = Callable[[Generation], dict[str, Any]]                       # id, object, created, model
+
+
+async def with_prefix(request: web.Request, prefix: str | None, prompts: list[list[int]]) -> list[list[int]]:
+    """Prepends the named prefix's tokens to every prompt (the resolver raises 404 when unknown)."""
+    if prefix is None:
+        return prompts
+    head = await request.app[PREFIX_RESOLVER](prefix)
+    return [head + p for p in prompts]
+
+
+async def respond(request: web.Request, prompts: list[list[int]], req: GenerationRequest, *,
+                  head: HeadFn, chunks: ChunkFn, body: BodyFn) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine = state.ready_engine()
+    if len(prompts) * req.params.n > state.config.max_choices:
+        raise invalid(f"the number of prompts times n must be at most {state.config.max_choices}", "n")
+    prompts = await with_prefix(request, req.prefix, prompts)
+    gen = Generation(engine, prompts, req.params, request.app[METRICS])
+    try:
+        await gen.start()
+        if req.stream:
+            usage_chunk = {**head(gen), "choices": []} if req.include_usage else None
+            return await sse.stream(request, gen, lambda d: chunks(gen, d), usage_chunk,
+                                    state.config.keepalive_interval)
+        choices = await gen.collect()
+        return web.json_response({**body(gen, choices), "usage": gen.usage.as_dict()})
+    finally:
+        await gen.aclose()

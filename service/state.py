@@ -1,0 +1,48 @@
+"""ServiceState: what the handlers share: the config, the engine once it is loaded, the drain flag."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from service.config import ServiceConfig
+from service.errors import ApiError
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+
+@dataclass
+class ServiceState:
+    config: ServiceConfig
+    engine: AsyncEngine | None = None     # None while the model loads (warming)
+    load_error: str | None = None         # set when loading the model failed
+    draining: bool = False                # SIGTERM received: finish running streams, take no new ones
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return self.engine.model_name if self.engine is not None else ""
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.is_running and not self.draining
+
+    def ready_engine(self) -> AsyncEngine:
+        """The engine, or a 503 while warming, draining or dead."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", type="service_unavailable", code="draining")
+        if self.engine is None:
+            if self.load_error is not None:
+                raise ApiError(503, f"the model failed to load: {self.load_error}",
+                               type="service_unavailable", code="load_failed")
+            raise ApiError(503, "the model is still loading; retry shortly", type="service_unavailable",
+                           code="warming", headers={"Retry-After": "1"})
+        if not self.engine.is_running:
+            raise ApiError(503, "the engine is not running", type="service_unavailable", code="engine_dead")
+        return self.engine
+
+
+STATE = web.AppKey("state", ServiceState)

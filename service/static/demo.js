@@ -1,0 +1,178 @@
+// prefixserve demo page: streams a chat answer token by token over the WebSocket (/v1/ws) or SSE
+// (/v1/chat/completions with stream: true) and shows time to first token, tokens/s and cached tokens.
+"use strict";
+const $ = (id) => document.getElementById(id);
+const history = [];       // the conversation, as chat messages
+let model = null;         // served model name
+let current = null;       // the running generation: {stop(), view, t0, tFirst, tokens}
+let socket = null;
+let nextId = 1;
+const pending = new Map(); // WebSocket generation id -> handlers
+
+function addMessage(role, text) {
+  const el = document.createElement("div");
+  el.className = "msg " + role;
+  el.innerHTML = '<span class="who"></span><span class="body"></span>';
+  el.querySelector(".who").textContent = role;
+  el.querySelector(".body").textContent = text;
+  $("log").appendChild(el);
+  $("log").scrollTop = $("log").scrollHeight;
+  return el;
+}
+
+function showStats(g, usage) {
+  const now = performance.now();
+  if (g.tFirst !== null) $("ttft").textContent = (g.tFirst - g.t0).toFixed(0) + " ms";
+  $("ntok").textContent = String(g.tokens);
+  if (g.tFirst !== null && g.tokens > 1 && now > g.tFirst) {
+    $("tps").textContent = ((g.tokens - 1) / ((now - g.tFirst) / 1000)).toFixed(1);
+  }
+  if (usage) $("cached").textContent = usage.prompt_tokens_details.cached_tokens + " / " + usage.prompt_tokens;
+}
+
+function onDelta(g, text, nTokens) {
+  if (g.tFirst === null) g.tFirst = performance.now();
+  g.tokens += nTokens;
+  g.text += text;
+  g.view.querySelector(".body").textContent = g.text;
+  $("log").scrollTop = $("log").scrollHeight;
+  showStats(g, null);
+}
+
+function finish(g, usage, error) {
+  if (current !== g) return;
+  current = null;
+  g.view.classList.remove("streaming");
+  if (error) {
+    g.view.className = "msg error";
+    g.view.querySelector(".body").textContent = error;
+  } else {
+    history.push({ role: "assistant", content: g.text });
+    showStats(g, usage);
+  }
+  $("send").disabled = false;
+  $("stop").disabled = true;
+}
+
+function request(messages) {
+  const body = {
+    model, messages, stream: true, max_tokens: Number($("max-tokens").value) || 128,
+    temperature: Number($("temperature").value),
+  };
+  if ($("prefix").value) body.prefix = $("prefix").value;
+  return body;
+}
+
+function connect() {
+  if (socket && socket.readyState <= WebSocket.OPEN) return Promise.resolve(socket);
+  return new Promise((resolve, reject) => {
+    const ws = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws");
+    ws.onopen = () => { socket = ws; resolve(ws); };
+    ws.onerror = () => reject(new Error("WebSocket connection failed"));
+    ws.onclose = () => {
+      socket = null;
+      for (const h of pending.values()) h.error("connection closed");
+      pending.clear();
+    };
+    ws.onmessage = (ev) => {
+      const m = JSON.parse(ev.data);
+      const h = pending.get(m.id);
+      if (!h) return;
+      if (m.type === "delta") h.delta(m.text, m.token_ids.length);
+      else { pending.delete(m.id); m.type === "done" ? h.done(m.usage) : h.error(m.error.message); }
+    };
+  });
+}
+
+async function viaWebSocket(g, body) {
+  const ws = await connect();
+  const id = nextId++;
+  pending.set(id, { delta: (t, n) => onDelta(g, t, n), done: (u) => finish(g, u, null), error: (e) => finish(g, null, e) });
+  g.stop = () => ws.send(JSON.stringify({ type: "cancel", id }));
+  const { stream, ...fields } = body;
+  ws.send(JSON.stringify({ type: "generate", id, ...fields }));
+}
+
+async function viaSSE(g, body) {
+  const abort = new AbortController();
+  g.stop = () => abort.abort();
+  let usage = null;
+  try {
+    const resp = await fetch("/v1/chat/completions", {
+      method: "POST", headers: { "Content-Type": "application/json" }, signal: abort.signal,
+      body: JSON.stringify({ ...body, stream_options: { include_usage: true }, return_token_ids: true }),
+    });
+    if (!resp.ok) throw new Error((await resp.json()).error.message);
+    const reader = resp.body.getReader();
+    const decoder = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buf += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const event = buf.slice(0, cut);
+        buf = buf.slice(cut + 2);
+        if (!event.startsWith("data: ") || event === "data: [DONE]") continue;
+        const chunk = JSON.parse(event.slice(6));
+        if (chunk.error) throw new Error(chunk.error.message);
+        if (chunk.usage) usage = chunk.usage;
+        for (const c of chunk.choices) onDelta(g, c.delta.content || "", (c.token_ids || []).length);
+      }
+    }
+    finish(g, usage, null);
+  } catch (err) {
+    if (abort.signal.aborted) finish(g, usage, null); else finish(g, null, err.message);
+  }
+}
+
+async function send(ev) {
+  ev.preventDefault();
+  const text = $("prompt").value.trim();
+  if (!text || current) return;
+  history.push({ role: "user", content: text });
+  addMessage("user", text);
+  $("prompt").value = "";
+  const messages = ($("system").value.trim() ? [{ role: "system", content: $("system").value.trim() }] : []).concat(history);
+  const g = { t0: performance.now(), tFirst: null, tokens: 0, text: "", stop: () => {}, view: addMessage("assistant", "") };
+  g.view.classList.add("streaming");
+  current = g;
+  $("send").disabled = true;
+  $("stop").disabled = false;
+  for (const id of ["ttft", "tps", "ntok", "cached"]) $(id).textContent = "…";
+  try {
+    await ($("transport").value === "ws" ? viaWebSocket(g, request(messages)) : viaSSE(g, request(messages)));
+  } catch (err) {
+    finish(g, null, err.message);
+  }
+}
+
+async function init() {
+  $("form").addEventListener("submit", send);
+  $("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && !e.shiftKey) send(e); });
+  $("stop").addEventListener("click", () => current && current.stop());
+  $("clear").addEventListener("click", () => { history.length = 0; $("log").textContent = ""; });
+  for (let i = 0; i < 600; i++) {
+    const health = await fetch("/health").then((r) => r.json()).catch(() => ({ status: "down" }));
+    $("health").textContent = health.status;
+    $("health").className = "pill " + (health.status === "ok" ? "ok" : "bad");
+    if (health.status === "ok") break;
+    await new Promise((r) => setTimeout(r, 1000));
+  }
+  const models = await fetch("/v1/models").then((r) => r.json());
+  model = models.data[0].id;
+  $("model").textContent = model + " · " + models.data[0].max_model_len + " ctx";
+  // Registered prefixes, once the registry API exists (GET /v1/prefixes answers 200).
+  const prefixes = await fetch("/v1/prefixes").then((r) => (r.ok ? r.json() : null)).catch(() => null);
+  if (prefixes && Array.isArray(prefixes.data) && prefixes.data.length) {
+    for (const p of prefixes.data) {
+      const opt = document.createElement("option");
+      opt.value = opt.textContent = p.name;
+      $("prefix").appendChild(opt);
+    }
+    $("prefix-label").hidden = false;
+  }
+}
+
+init();

@@ -1,0 +1,149 @@
+"""Replicas on one real Redis: the registry is shared, pinned sets stay equal, restarts come back warm,
+and Redis going down never stops generation."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from prefix_store import PrefixRecord
+from prefix_store.redis import connect
+from tests.helpers.redis_server import RedisServer
+from tests.helpers.server_process import ServerProcess, http
+
+PROMPT = "Shared system prompt: you answer questions about paged attention and KV caches. " * 3
+
+
+def replica_args(model: Path, redis_url: str) -> list[str]:
+    return ["--model", str(model), "--max-model-len", "512", "--num-kv-blocks", "128", "--redis-url", redis_url]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def listed(srv: ServerProcess, name: str) -> dict | None:
+    status, body = http("GET", f"{srv.url}/v1/prefixes", timeout=10)
+    assert status == 200, body
+    return next((p for p in body["data"] if p["name"] == name), None)
+
+
+def cached(srv: ServerProcess, prompt: str = "?", prefix: str | None = None, model: str = "llama") -> int:
+    body: dict = {"model": model, "prompt": prompt, "max_tokens": 1}
+    if prefix:
+        body["prefix"] = prefix
+    status, out = http("POST", f"{srv.url}/v1/completions", body)
+    assert status == 200, out
+    return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    with RedisServer(appendonly=True) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_llama_dir: Path, redis: RedisServer) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    a = ServerProcess(replica_args(tiny_llama_dir, redis.url)).start(wait_ready=False)
+    b = ServerProcess(replica_args(tiny_llama_dir, redis.url)).start(wait_ready=False)
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_register_on_a_use_on_b_delete_on_b(replicas: tuple[ServerProcess, ServerProcess]) -> None:
+    a, b = replicas
+    status, rec = http("POST", f"{a.url}/v1/prefixes", {"name": "shared", "prompt": PROMPT})
+    assert status == 201, rec
+    wait_for(lambda: (listed(b, "shared") or {}).get("loaded") is True, what="B to pin the prefix")
+    assert cached(b, "first use on B", prefix="shared") == rec["num_pinned_blocks"] * 16
+    assert b.metric("prefixserve_kv_blocks_pinned") == rec["num_pinned_blocks"]
+    assert http("DELETE", f"{b.url}/v1/prefixes/shared")[0] == 200
+    wait_for(lambda: a.metric("prefixserve_kv_blocks_pinned") == 0, what="A to unpin")
+    assert listed(a, "shared") is None
+
+
+def test_concurrent_registrations_of_one_name_end_with_one_record(
+        replicas: tuple[ServerProcess, ServerProcess]) -> None:
+    a, b = replicas
+    bodies = [(a, {"name": "race", "prompt": PROMPT + " version A"}), (b, {"name": "race", "prompt": PROMPT + " B"})]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda sb: http("POST", f"{sb[0].url}/v1/prefixes", sb[1]), bodies))
+    assert sorted(s for s, _ in results) == [201, 409], results
+    winner = next(body for s, body in results if s == 201)
+    for srv in (a, b):
+        wait_for(lambda srv=srv: (listed(srv, "race") or {}).get("num_tokens") == winner["num_tokens"]
+                 and listed(srv, "race")["loaded"], what="both replicas to hold the winner")
+    assert a.metric("prefixserve_kv_blocks_pinned") == b.metric("prefixserve_kv_blocks_pinned")
+    assert http("DELETE", f"{a.url}/v1/prefixes/race")[0] == 200
+
+
+def test_records_of_another_model_are_listed_not_loaded(replicas: tuple[ServerProcess, ServerProcess],
+                                                        redis: RedisServer) -> None:
+    a, _ = replicas
+
+    async def put_foreign() -> None:
+        store = await connect(redis.url)
+        rec = PrefixRecord(name="foreign", fingerprint="0" * 32, token_ids=[1, 2, 3], source={"prompt": "x"})
+        await store.put(rec, origin="test")
+        await store.aclose()
+
+    asyncio.run(put_foreign())
+    entry = listed(a, "foreign")
+    assert entry is not None and entry["loaded"] is False and entry["fingerprint"] == "0" * 32
+    assert http("POST", f"{a.url}/v1/completions", {"prompt": "x", "prefix": "foreign", "max_tokens": 1})[0] == 404
+
+
+def test_redis_down_mid_run_then_back(replicas: tuple[ServerProcess, ServerProcess], redis: RedisServer) -> None:
+    a, b = replicas
+    req = urllib.request.Request(f"{a.url}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"prompt": "stream on", "max_tokens": 60, "ignore_eos": True,
+                                                  "stream": True}).encode())
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        first = resp.readline()
+        redis.stop()                                                    # Redis dies mid-stream
+        rest = resp.read().decode()
+    assert first.startswith(b"data: ") and rest.rstrip().endswith("data: [DONE]")
+    assert rest.count('"finish_reason":"length"') + rest.count('"finish_reason": "length"') == 1
+    status, err = http("POST", f"{a.url}/v1/prefixes", {"name": "while-down", "prompt": PROMPT}, timeout=30)
+    assert status == 503 and err["error"]["code"] == "prefix_store_unavailable"
+    assert http("GET", f"{a.url}/v1/prefixes")[0] == 200             # reads answer from the local view
+    assert cached(a, "generation goes on") >= 0
+
+    redis.start()                                                       # back: B registers, A resyncs
+    wait_for(lambda: http("POST", f"{b.url}/v1/prefixes", {"name": "after", "prompt": PROMPT + " after"},
+                          timeout=10)[0] in (200, 201), timeout=30, what="B to write again")
+    wait_for(lambda: (listed(a, "after") or {}).get("loaded") is True, timeout=30, what="A to resync")
+    assert http("DELETE", f"{a.url}/v1/prefixes/after")[0] == 200
+
+
+def test_restart_comes_back_warm(tiny_llama_dir: Path, redis: RedisServer) -> None:
+    first = ServerProcess(replica_args(tiny_llama_dir, redis.url)).start()
+    try:
+        status, rec = http("POST", f"{first.url}/v1/prefixes", {"name": "durable", "prompt": PROMPT + " durable"})
+        assert status == 201, rec
+    finally:
+        first.stop()
+    second = ServerProcess(replica_args(tiny_llama_dir, redis.url)).start()    # ready == warm
+    try:
+        assert second.metric("prefixserve_kv_blocks_pinned") == rec["num_pinned_blocks"]
+        entry = listed(second, "durable")
+        assert entry is not None and entry["loaded"] and entry["block_hashes"] == rec["block_hashes"]
+        assert cached(second, "first use after restart", prefix="durable") == rec["num_pinned_blocks"] * 16
+        assert http("DELETE", f"{second.url}/v1/prefixes/durable")[0] == 200
+    finally:
+        second.stop()

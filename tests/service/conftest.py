@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from tests.service.server import ServerThread, tiny_config
+
+
+@pytest.fixture(scope="session")
+def server(tiny_llama_dir: Path) -> Iterator[ServerThread]:
+    """The shared server: tiny Llama checkpoint, 256-token context, 512 KV blocks of 16."""
+    srv = ServerThread(tiny_config(tiny_llama_dir)).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def model_name(server: ServerThread) -> str:
+    return server.state.model_name
+
+
+@pytest.fixture()
+def client(server: ServerThread) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c

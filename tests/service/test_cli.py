@@ -1,0 +1,81 @@
+"""The real entry points: `python -m service` with flags and PREFIXSERVE_* variables, a graceful
+SIGTERM (running streams finish, new connections are refused), and `prefixserve generate`."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from service.cli import config_from, parser
+from tests.service.server import _status
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_flags_read_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIXSERVE_REDIS_URL", "redis://cache:6379/0")
+    monkeypatch.setenv("PREFIXSERVE_NUM_KV_BLOCKS", "64")
+    monkeypatch.setenv("PREFIXSERVE_PORT", "9001")
+    cfg = config_from(parser().parse_args(["serve", "--port", "9002"]))
+    assert (cfg.redis_url, cfg.num_kv_blocks, cfg.port, cfg.host) == ("redis://cache:6379/0", 64, 9002, "127.0.0.1")
+    monkeypatch.setenv("PREFIXSERVE_BLOCK_SIZE", "0")
+    with pytest.raises(SystemExit, match="block_size"):
+        from service.cli import main
+        main(["serve"])
+
+
+def test_sigterm_lets_streams_finish(tiny_llama_dir: Path) -> None:
+    port = _free_port()
+    env = {**os.environ, "PREFIXSERVE_SERVED_MODEL_NAME": "tiny-test", "PREFIXSERVE_MAX_MODEL_LEN": "512"}
+    proc = subprocess.Popen([sys.executable, "-m", "service", "--model", str(tiny_llama_dir), "--port", str(port),
+                             "--shutdown-timeout", "20"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                if _status(f"{url}/health") == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny-test"
+        body = {"model": "tiny-test", "prompt": "hello", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith(b"data: {")
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            with pytest.raises(requests.ConnectionError):    # no longer accepting
+                requests.get(f"{url}/health", timeout=5)
+            rest = [line for line in lines if line]
+        assert rest[-1] == b"data: [DONE]" and b'"finish_reason":"length"' in rest[-2]
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_generate_streams_to_terminal(tiny_llama_dir: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "service", "generate", "--model", str(tiny_llama_dir),
+                          "--prompt", "hello world", "--max-tokens", "12"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    from engine import LLM, SamplingParams
+    ref = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64).generate(
+        "hello world", SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
+    assert ref and out.stdout == ref + "\n"

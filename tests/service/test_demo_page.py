@@ -1,0 +1,89 @@
+"""Headless Chromium (Debian's, driven by Playwright) opens the demo page and watches text stream in."""
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.service.server import ServerThread, tiny_config
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+# Records every length the last assistant message goes through while it streams.
+OBSERVE = """
+window.__lengths = [];
+new MutationObserver(() => {
+  const msgs = document.querySelectorAll('.msg.assistant .body');
+  if (msgs.length) window.__lengths.push(msgs[msgs.length - 1].textContent.length);
+}).observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true});
+"""
+
+
+@pytest.fixture(scope="module")
+def slow_server(tiny_llama_dir: Path) -> Iterator[ServerThread]:
+    """The tiny model at a human pace (20 ms per engine step), so tokens reach the page one by one
+    instead of coalescing into a few TCP reads."""
+    srv = ServerThread(tiny_config(tiny_llama_dir)).start()
+    core = srv.state.engine.core
+    step = core.step
+
+    def slow_step():  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        return step()
+
+    core.step = slow_step
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.mark.parametrize("transport", ["ws", "sse"])
+def test_demo_page_streams(browser, slow_server: ServerThread, transport: str) -> None:
+    server = slow_server
+    page = browser.new_page(viewport={"width": 1000, "height": 820})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/")
+    page.wait_for_function("document.getElementById('health').textContent === 'ok'", timeout=20_000)
+    page.wait_for_function("document.getElementById('model').textContent.includes('ctx')", timeout=20_000)
+    page.evaluate(OBSERVE)
+    page.select_option("#transport", transport)
+    page.fill("#max-tokens", "60")
+    page.fill("#temperature", "0")
+    page.fill("#prompt", "Tell me about caches")
+    page.click("#send")
+    page.wait_for_function("!document.getElementById('send').disabled && "
+                           "document.getElementById('cached').textContent.includes('/')", timeout=30_000)
+    answer = page.inner_text(".msg.assistant .body")
+    lengths = page.evaluate("window.__lengths")
+    assert answer.strip() and not page.query_selector(".msg.error")
+    # token by token: the message grew through many intermediate lengths
+    assert len(set(lengths)) >= 10 and lengths == sorted(lengths), lengths
+    assert page.inner_text("#ttft").endswith(" ms")
+    assert float(page.inner_text("#tps")) > 0
+    assert int(page.inner_text("#ntok")) > 5
+    cached, prompt = page.inner_text("#cached").split(" / ")
+    assert 0 <= int(cached) <= int(prompt)
+    assert page.is_hidden("#prefix-label")     # no prefix registry yet: GET /v1/prefixes is a 404
+    assert not errors
+    if transport == "ws":
+        page.fill("#system", "You are a helpful assistant.")
+        page.fill("#prompt", "And a second question?")
+        page.click("#send")
+        page.wait_for_function("document.querySelectorAll('.msg.assistant').length === 2 && "
+                               "!document.getElementById('send').disabled", timeout=30_000)
+        page.screenshot(path="/tmp/demo.png", full_page=True)
+    page.close()

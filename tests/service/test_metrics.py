@@ -1,0 +1,64 @@
+"""50 concurrent streams, half cut mid-stream: nothing leaks, and /metrics says so."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.service.server import ServerThread
+
+NAMES = ["prefixserve_kv_blocks_total", "prefixserve_kv_blocks_used", "prefixserve_kv_blocks_pinned",
+         "prefixserve_kv_blocks_cached", "prefixserve_requests_running", "prefixserve_requests_waiting",
+         "prefixserve_preemptions_total", "prefixserve_prefix_cache_queried_tokens_total",
+         "prefixserve_prefix_cache_hit_tokens_total"]
+
+
+def scrape(url: str) -> dict[str, float]:
+    resp = requests.get(f"{url}/metrics", timeout=10)
+    assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/plain")
+    return {s.name: s.value for fam in text_string_to_metric_families(resp.text) for s in fam.samples
+            if not s.labels or set(s.labels) == {"le"} and s.labels["le"] == "+Inf"}
+
+
+async def _stream(s: aiohttp.ClientSession, url: str, i: int, cut: bool) -> tuple[bool, bytes]:
+    body = {"prompt": f"request {i} " + "block " * (i % 7 * 5), "max_tokens": 60, "ignore_eos": True,
+            "stream": True, "temperature": 0.8, "seed": i}
+    async with s.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        seen = b""
+        async for chunk in resp.content.iter_any():
+            seen += chunk
+            if cut and seen.count(b"data: ") >= 3:
+                return True, seen  # leaving the context closes the connection mid-stream
+        return False, seen
+
+
+async def test_fifty_streams_half_cut(server: ServerThread) -> None:
+    before = scrape(server.url)
+    cuts = [i % 2 == 0 for i in range(50)]
+    random.Random(0).shuffle(cuts)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=100)) as s:
+        results = await asyncio.gather(*(_stream(s, server.url, i, cut) for i, cut in enumerate(cuts)))
+    assert sum(cut for cut, _ in results) == 25
+    for cut, raw in results:
+        if not cut:
+            assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b'"finish_reason":"length"') == 1
+    m = scrape(server.url)
+    for _ in range(100):  # the aborts land at the next engine step
+        if m["prefixserve_requests_running"] == 0 and m["prefixserve_requests_waiting"] == 0:
+            break
+        await asyncio.sleep(0.05)
+        m = scrape(server.url)
+    assert all(name in m for name in NAMES), set(NAMES) - set(m)
+    assert m["prefixserve_requests_running"] == 0 and m["prefixserve_requests_waiting"] == 0
+    assert m["prefixserve_kv_blocks_used"] == m["prefixserve_kv_blocks_pinned"]
+    assert m["prefixserve_kv_blocks_total"] == 512
+    assert m["prefixserve_kv_blocks_free"] + m["prefixserve_kv_blocks_used"] == 512
+    # latency histograms: 50 first tokens, only the 25 completed requests count end to end
+    assert m["prefixserve_time_to_first_token_seconds_count"] - before["prefixserve_time_to_first_token_seconds_count"] == 50
+    assert m["prefixserve_e2e_request_latency_seconds_count"] - before["prefixserve_e2e_request_latency_seconds_count"] == 25
+    assert m["prefixserve_time_per_output_token_seconds_count"] - before["prefixserve_time_per_output_token_seconds_count"] == 25
+    assert m["prefixserve_prefix_cache_queried_tokens_total"] > before["prefixserve_prefix_cache_queried_tokens_total"]

@@ -1,0 +1,99 @@
+"""/v1/ws: several generations on one socket, cancel, an error in one, the frames on the wire."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from tests.service.server import ServerThread
+
+
+async def _collect(ws: aiohttp.ClientWebSocketResponse, until_done: set[Any]) -> list[dict]:
+    frames = []
+    while until_done:
+        msg = await asyncio.wait_for(ws.receive(), 30)
+        assert msg.type == aiohttp.WSMsgType.TEXT, msg
+        frame = json.loads(msg.data)
+        frames.append(frame)
+        if frame["type"] in ("done", "error"):
+            until_done.discard(frame["id"])
+    return frames
+
+
+async def test_multiplex_cancel_and_error(server: ServerThread, model_name: str) -> None:
+    base = {"type": "generate", "model": model_name, "temperature": 0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"{server.url}/v1/ws") as ws:
+        await ws.send_json({**base, "id": "a", "prompt": "hello world", "max_tokens": 40})
+        await ws.send_json({**base, "id": 2, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40})
+        await ws.send_json({**base, "id": "long", "prompt": "cache", "max_tokens": 200})
+        await ws.send_json({**base, "id": "bad", "prompt": "x", "temperature": -5})
+        await ws.send_str("{not json")
+        # the long one is cancelled once it has streamed something
+        frames: list[dict] = []
+        while not any(f["type"] == "delta" and f["id"] == "long" for f in frames):
+            frames.append(json.loads((await asyncio.wait_for(ws.receive(), 30)).data))
+        await ws.send_json({"type": "cancel", "id": "long"})
+        frames += await _collect(ws, {"a", 2, "long", "bad", None} - {f["id"] for f in frames
+                                                                       if f["type"] in ("done", "error")})
+        # the socket still works after all of that
+        await ws.send_json({**base, "id": "after", "prompt": "hello world", "max_tokens": 40})
+        after = await _collect(ws, {"after"})
+
+    by_id: dict[Any, list[dict]] = {}
+    for f in frames:
+        by_id.setdefault(f["id"], []).append(f)
+    assert [f["type"] for f in by_id["bad"]] == ["error"]
+    assert by_id["bad"][0]["error"]["param"] == "temperature"
+    assert by_id[None][0]["type"] == "error" and by_id[None][0]["error"]["type"] == "invalid_request_error"
+    for gid in ("a", 2):
+        kinds = [f["type"] for f in by_id[gid]]
+        assert kinds[-1] == "done" and set(kinds[:-1]) == {"delta"}
+        assert by_id[gid][-1]["finish_reason"] == "length"
+        assert sum(len(f["token_ids"]) for f in by_id[gid][:-1]) == 40 == by_id[gid][-1]["usage"]["completion_tokens"]
+    long_done = by_id["long"][-1]
+    assert long_done["type"] == "done" and long_done["finish_reason"] == "cancelled"
+    assert long_done["usage"]["completion_tokens"] < 200
+    # interleaving: the generations really ran at once
+    order = [f["id"] for f in frames if f["type"] == "delta"]
+    first_done = min(i for i, f in enumerate(order) if f == "a"), max(i for i, f in enumerate(order) if f == "a")
+    assert any(g != "a" for g in order[first_done[0]:first_done[1]])
+    # same text as the HTTP API at temperature 0
+    text = "".join(f["text"] for f in after if f["type"] == "delta")
+    assert text == "".join(f["text"] for f in by_id["a"] if f["type"] == "delta")
+    stats = server.state.engine.stats()
+    assert stats.requests_running == 0
+
+
+async def test_ws_text_equals_http(server: ServerThread, model_name: str) -> None:
+    body = {"model": model_name, "prompt": "the block", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{server.url}/v1/completions", json=body) as r:
+            http_text = (await r.json())["choices"][0]["text"]
+        async with s.ws_connect(f"{server.url}/v1/ws") as ws:
+            await ws.send_json({"type": "generate", "id": "x", **body})
+            frames = await _collect(ws, {"x"})
+    assert "".join(f.get("text", "") for f in frames) == http_text
+
+
+async def test_duplicate_id_unknown_cancel_and_close_aborts(server: ServerThread) -> None:
+    async with aiohttp.ClientSession() as s:
+        ws = await s.ws_connect(f"{server.url}/v1/ws")
+        await ws.send_json({"type": "generate", "id": 1, "prompt": "hi", "max_tokens": 200, "ignore_eos": True})
+        await ws.send_json({"type": "generate", "id": 1, "prompt": "hi", "max_tokens": 5})
+        await ws.send_json({"type": "cancel", "id": "nope"})
+        await ws.send_json({"type": "shout", "id": 3})
+        errors = []
+        while len(errors) < 3:
+            f = json.loads((await asyncio.wait_for(ws.receive(), 30)).data)
+            if f["type"] == "error":
+                errors.append(f)
+        assert [(e["id"], e["error"]["param"]) for e in errors] == [(1, "id"), ("nope", "id"), (3, "type")]
+        await ws.close()        # closing the socket aborts generation 1
+    for _ in range(100):
+        st = server.state.engine.stats()
+        if st.requests_running == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert st.requests_running == st.requests_waiting == 0 and st.kv_blocks_used == st.kv_blocks_pinned
