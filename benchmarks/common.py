@@ -1,22 +1,61 @@
-"""Shared by the benchmark scripts: the machine description, result files and synthetic workloads."""
+"""Shared by the benchmark scripts: arguments, the machine description, result files, plots, workloads
+and a small driver that steps an LLMEngine by hand.
+
+Every benchmark module has `main(argv) -> int`, takes the arguments of `add_common_args`, writes
+`<name>.md`, `<name>.png` and `<name>.json` into --out and prints `RESULT {json}` as its last line.
+"""
 from __future__ import annotations
 
+import argparse
 import json
 import platform
+import shlex
+import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from engine.llm_engine import LLMEngine
+    from engine.sequence import RequestOutput, SamplingParams
+
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--quick", action="store_true", help="a small workload: minutes on a 2-core CPU")
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="where the .md, .png and .json go")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads on CPU (default 1: on a shared 2-core machine two OpenMP "
+                         "threads made the demo model ~10x slower, see benchmarks/README.md); 0 = torch's default")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def setup_torch(args: argparse.Namespace) -> None:
+    import torch
+    if args.threads > 0 and not str(args.device).startswith("cuda"):
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+
+def command_line(prog: str, argv: Sequence[str]) -> str:
+    """The command as the user typed it, e.g. `prefixserve bench memory --quick`."""
+    return " ".join([prog, *map(shlex.quote, argv)])
 
 
 def machine() -> dict[str, Any]:
     import torch
     info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "cpu": platform.processor() or platform.machine()}
+                            "cpu": _cpu_name(), "torch_threads": torch.get_num_threads()}
     try:
         import triton
         info["triton"] = triton.__version__
@@ -26,8 +65,18 @@ def machine() -> dict[str, Any]:
         info["device"] = torch.cuda.get_device_name(0)
     else:
         import os
-        info["device"] = f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+        info["device"] = f"CPU: {info['cpu']} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
     return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def sharegpt_like_lengths(n: int, seed: int, mean_in: float = 161, mean_out: float = 338, scale: float = 1.0,
@@ -42,14 +91,69 @@ def sharegpt_like_lengths(n: int, seed: int, mean_in: float = 161, mean_out: flo
     return list(zip(draw(mean_in).tolist(), draw(mean_out).tolist()))
 
 
-def write_results(name: str, table_md: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
-    out = out_dir or RESULTS
+def random_prompts(lengths: Sequence[int], vocab: int, seed: int) -> list[list[int]]:
+    """Random token ids in [3, vocab): distinct prompts that never hit each other's blocks."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+def median_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """Median of the paired ratios num[i] / den[i] (pairs measured back to back)."""
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
+# -- driving the engine by hand ------------------------------------------------------------------
+def run_engine(engine: LLMEngine, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
+               on_step: Callable[[LLMEngine], None] | None = None, prefix: str = "req") -> list[RequestOutput]:
+    """Adds every prompt, steps until all finish (calling `on_step` after each step) and returns the
+    final outputs in prompt order. Streamed deltas are dropped: only the finished output is kept,
+    which for n > 1 / beam search holds the whole sequences and for n == 1 at least the last delta."""
+    per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+    rids = [f"{prefix}-{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
+    for rid, p, sp in zip(rids, prompts, per):
+        engine.add_request(rid, list(p), sp)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if on_step is not None:
+            on_step(engine)
+    return [done[r] for r in rids]
+
+
+# -- results -------------------------------------------------------------------------------------
+def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0) -> tuple[Figure, Any]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    return fig, axes[0]
+
+
+def write_results(name: str, table_md: str, payload: dict[str, Any], out_dir: Path | None = None,
+                  figure: Figure | None = None, command: str | None = None) -> Path:
+    """Writes <name>.md (device, command, table, the plot embedded), <name>.png and <name>.json."""
+    out = Path(out_dir or RESULTS)
     out.mkdir(parents=True, exist_ok=True)
-    payload = dict(payload, machine=machine(), command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-                   date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    cmd = command or " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
+    png = None
+    if figure is not None:
+        png = out / f"{name}.png"
+        figure.tight_layout()
+        figure.savefig(png, dpi=110)
+        import matplotlib.pyplot as plt
+        plt.close(figure)
+    payload = dict(payload, machine=machine(), command=cmd, date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                   png=png.name if png else None)
     (out / f"{name}.json").write_text(json.dumps(payload, indent=2))
     m = payload["machine"]
+    plot = f"\n![{name}]({png.name})\n" if png else ""
     (out / f"{name}.md").write_text(
         f"# {name}\n\nDevice: {m['device']}; torch {m['torch']}, triton {m['triton']}. Command: "
-        f"`{payload['command']}` ({payload['date']}).\n\n{table_md}\n")
+        f"`{cmd}` ({payload['date']}).\n\n{table_md}\n{plot}")
     return out / f"{name}.md"
+
+
+def print_result(result: dict[str, Any]) -> None:
+    print("RESULT " + json.dumps(result), flush=True)

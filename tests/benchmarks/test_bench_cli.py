@@ -1,0 +1,149 @@
+"""The benchmark tool: `memory` end to end through the CLI on a tiny trace, and the pure helpers of
+`sharing`, `prefix` and `memory` on inputs small enough to check by hand."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import cli, memory, prefix, sharing
+from benchmarks.common import median_ratio, random_prompts
+from engine.block_manager import BlockManager, PrefixHit
+from engine.block_pool import BlockPool
+
+
+def result_line(out: str) -> dict:
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("RESULT "), last
+    return json.loads(last[len("RESULT "):])
+
+
+def test_memory_through_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["memory", "--quick", "--num-requests", "40", "--memory-tokens", "8192", "--out", str(tmp_path)])
+    assert rc == 0
+    res = result_line(capsys.readouterr().out)
+    for name in ("memory.md", "memory.png", "memory.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    for key in ("paged_utilization", "contiguous_utilization", "pow2_utilization", "oracle_utilization"):
+        assert 0.0 < res[key] <= 1.0, (key, res[key])
+    assert res["paged_utilization"] > res["oracle_utilization"] > res["contiguous_utilization"]
+    assert res["paged_utilization"] >= 0.9
+    assert res["max_batch_paged"] > res["max_batch_contiguous"] == 8192 // memory.MAX_MODEL_LEN
+    saved = json.loads((tmp_path / "memory.json").read_text())
+    assert saved["result"] == res and saved["png"] == "memory.png"
+    assert saved["command"] == "prefixserve bench memory --quick --num-requests 40 --memory-tokens 8192 --out " + str(tmp_path)
+    assert saved["machine"]["torch"] and "device" in saved["machine"]
+    assert "![memory](memory.png)" in (tmp_path / "memory.md").read_text()
+
+
+def test_cli_usage_and_unknown_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    with pytest.raises(SystemExit):
+        cli.main(["nope"])
+
+
+def test_kernels_without_cuda_exits_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the kernels benchmark would really run")
+    assert cli.main(["kernels", "--quick"]) == 1
+    assert "CUDA" in capsys.readouterr().err
+
+
+# -- memory helpers ------------------------------------------------------------------------------
+def test_reservation_policies() -> None:
+    assert [memory.next_pow2(x) for x in (1, 2, 3, 25, 32, 33)] == [1, 2, 4, 32, 32, 64]
+    assert memory.reservation("Orca (Max)", 100, 25) == memory.MAX_MODEL_LEN
+    assert memory.reservation("Orca (Pow2)", 100, 25) == 132
+    assert memory.reservation("Orca (Pow2)", 2000, 40) == memory.MAX_MODEL_LEN   # capped
+    assert memory.reservation("Orca (Oracle)", 100, 25) == 125
+
+
+def test_first_fit_merges_holes() -> None:
+    heap = memory.FirstFit(100)
+    a, b, c = heap.alloc(30), heap.alloc(30), heap.alloc(30)
+    assert (a, b, c) == (0, 30, 60) and heap.alloc(20) is None
+    heap.free(b, 30)
+    assert heap.alloc(40) is None            # 30 + 10 free, but not contiguous: external fragmentation
+    heap.free(c, 30)
+    assert heap.holes == [(30, 70)]
+    heap.free(a, 30)
+    assert heap.holes == [(0, 100)]
+
+
+def test_replays_on_a_hand_checked_trace() -> None:
+    # one request, prompt 16, output 16, block size 16: paged holds 1 block for the prompt, then 2
+    trace = [(16, 16)]
+    paged = memory.replay_paged(trace, 1024).summary()
+    assert paged["steps"] == 16 and paged["max_batch"] == 1 and paged["preemptions"] == 0
+    # live / reserved: 16/16, then 17..31 tokens in 2 blocks (32 slots)
+    expected = (1 + sum(n / 32 for n in range(17, 32))) / 16
+    assert paged["utilization"] == pytest.approx(expected)
+    oracle = memory.replay_contiguous(trace, 1024, "Orca (Oracle)").summary()
+    assert oracle["utilization"] == pytest.approx(sum(n / 32 for n in range(16, 32)) / 16)
+    cmax = memory.replay_contiguous(trace * 3, 4096, "Orca (Max)").summary()
+    assert cmax["max_batch"] == 2                 # 4096 slots hold two 2048-slot reservations
+
+
+def test_paged_replay_preempts_instead_of_failing() -> None:
+    # 4 blocks of memory, two requests that each grow to 3 blocks: the younger is preempted, both finish
+    rep = memory.replay_paged([(16, 30), (16, 30)], 64)
+    assert rep.preemptions >= 1 and rep.summary()["max_batch"] == 2
+
+
+# -- sharing helpers -----------------------------------------------------------------------------
+def test_blocks_saved() -> None:
+    assert sharing.blocks_saved([2, 3, 3], [4, 6, 6]) == pytest.approx(0.5)
+    assert sharing.blocks_saved([1], [0]) == 0.0
+
+
+def test_fork_by_copy_duplicates_blocks_and_queues_copies() -> None:
+    pool = BlockPool(16)
+    manager = BlockManager(pool, 4, "fp", enable_prefix_caching=False)
+    assert manager.allocate(0, list(range(10)), PrefixHit((), 0), 10)           # 3 blocks
+    sharing.set_sharing(manager, False)
+    manager.fork(0, 1)
+    assert pool.stats().used == 6
+    parent, child = manager.block_table(0), manager.block_table(1)
+    assert not set(parent) & set(child)
+    assert manager.pending_copies == list(zip(parent, child))
+    sharing.set_sharing(manager, True)
+    manager.fork(0, 2)                              # the class's own fork again: shares by reference
+    assert manager.block_table(2) == parent and pool.stats().used == 6
+    for seq in (0, 1, 2):
+        manager.free(seq)
+    assert pool.stats().used == 0
+
+
+# -- prefix helpers ------------------------------------------------------------------------------
+def test_hit_rate_counts_full_prefix_blocks() -> None:
+    assert prefix.hit_rate([1024, 1024], 1024, 16) == 1.0
+    assert prefix.hit_rate([1024, 0], 1024, 16) == 0.5
+    assert prefix.hit_rate([1088], 1030, 16) == 1.0      # suffix hits and the partial block do not count
+    assert prefix.hit_rate([], 1024, 16) == 0.0
+
+
+def test_fewshot_prompts_share_exactly_the_prefix() -> None:
+    shot = list(range(3, 83))
+    prompts = prefix.fewshot_prompts(shot, 5, 300, seed=0)
+    assert len(prompts) == 5 and all(p[:80] == shot and 16 <= len(p) - 80 <= 48 for p in prompts)
+    assert prompts == prefix.fewshot_prompts(shot, 5, 300, seed=0)
+
+
+def test_common_helpers() -> None:
+    assert median_ratio([2.0, 3.0, 10.0], [1.0, 3.0, 1.0]) == 2.0
+    a, b = random_prompts([5, 7], 50, seed=1)
+    assert (len(a), len(b)) == (5, 7) and all(3 <= t < 50 for t in a + b)
+
+
+def test_prefix_quick_on_a_tiny_checkpoint(tiny_llama_dir: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["prefix", "--quick", "--reps", "2", "--prefix-len", "256", "--model", str(tiny_llama_dir),
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    res = result_line(capsys.readouterr().out)
+    assert (tmp_path / "prefix.png").exists() and (tmp_path / "prefix.json").exists()
+    assert res["pinned_hit_rate"] == 1.0
+    assert 0.0 <= res["lru_hit_rate"] < 1.0
+    assert res["ttft_cached_s"] > 0 and res["ttft_uncached_s"] > 0
