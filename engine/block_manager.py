@@ -128,9 +128,9 @@ class BlockManager:
         full = num_computed // self.block_size
         if full <= state.num_cached_blocks:
             return
-        if len(state.hashes) < full:
-            state.hashes = self.block_hashes(token_ids[:full * self.block_size], state.hashes)
         if self.enable_prefix_caching:
+            if len(state.hashes) < full:
+                state.hashes = self.block_hashes(token_ids[:full * self.block_size], state.hashes)
             b = self.block_size
             for i in range(state.num_cached_blocks, full):
                 self.pool.cache_full_block(state.blocks[i], state.hashes[i], token_ids[i * b:(i + 1) * b])

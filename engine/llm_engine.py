@@ -337,6 +337,8 @@ class LLMEngine:
     # -- prefixes -----------------------------------------------------------------------------
     def check_pin(self, token_ids: list[int]) -> None:
         """Raises PinCapExceeded if pinning this prefix could not fit under the cap."""
+        if not self.config.enable_prefix_caching:
+            raise InvalidRequest("pinning a prefix needs prefix caching, which is disabled", param="prompt")
         new = self.manager.new_pins_needed(token_ids)
         if self.pool.num_pinned + new > self.pool.max_pinned_blocks:
             raise PinCapExceeded(

@@ -47,6 +47,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.watermark = manager.pool.num_blocks_total // 100
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -108,10 +109,14 @@ class Scheduler:
         #    had to preempt: memory is short, admitting more would only thrash.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            seq.block_hashes = self.manager.block_hashes(seq.token_ids, seq.block_hashes)
+            if self.manager.enable_prefix_caching:
+                seq.block_hashes = self.manager.block_hashes(seq.token_ids, seq.block_hashes)
             hit = self.manager.lookup(seq.token_ids, seq.block_hashes)
             num_new = min(seq.num_tokens - hit.num_tokens, budget)
-            if not self.manager.allocate(seq.seq_id, seq.token_ids, hit, hit.num_tokens + num_new):
+            # keep a small watermark of free blocks for running decodes, so admissions do not thrash
+            if (self.running and self.manager.blocks_needed(seq.seq_id, hit.num_tokens + num_new, hit)
+                    > self.manager.pool.num_free - self.watermark) or \
+                    not self.manager.allocate(seq.seq_id, seq.token_ids, hit, hit.num_tokens + num_new):
                 if not self.running and not out.scheduled:
                     # Nothing runs that could free blocks: this one can never fit.
                     self.waiting.popleft()

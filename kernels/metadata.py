@@ -10,7 +10,8 @@ query_start_loc[i] : query_start_loc[i + 1] of q / k / v.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ class AttentionMetadata:
     query_lens_list: list[int]
     max_query_len: int
     max_seq_len: int
+    scratch: dict[str, Any] = field(default_factory=dict, repr=False)  # per-step values a backend derives once
 
     @property
     def num_seqs(self) -> int:

@@ -40,24 +40,17 @@ class TorchAttentionBackend:
 
     def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
-        # One query token per sequence: gather every sequence's context padded to max_seq_len.
+        # One query token per sequence: gather every sequence's context, padded to max_seq_len, by slot.
         num_seqs, num_heads, head_dim = q.shape
-        block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-        nb = -(-md.max_seq_len // block_size)
-        blocks = md.block_tables[:, :nb].long()
-        k = key_cache[blocks].flatten(1, 2)[:, :md.max_seq_len]  # [S, L, Hkv, D]
-        v = value_cache[blocks].flatten(1, 2)[:, :md.max_seq_len]
-        group = num_heads // num_kv_heads
-        qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
-        scores = torch.einsum("shgd,slhd->shgl", qg, k.float()) * scale       # [S, Hkv, G, L]
-        pos = torch.arange(md.max_seq_len, device=q.device)
-        pad = pos[None, :] >= md.seq_lens.to(q.device)[:, None].long()           # [S, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        # slots past a sequence's end belong to nobody: zero them so a stale NaN there cannot leak in as 0 * NaN
-        v = v.masked_fill(pad[:, :, None, None], 0)
-        out = torch.einsum("shgl,slhd->shgd", probs, v.float())
-        return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+        num_kv_heads = key_cache.shape[2]
+        slots, mask = _decode_gather(md, key_cache.shape[1])
+        k = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(num_seqs, -1, num_kv_heads, head_dim)
+        v = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(num_seqs, -1, num_kv_heads, head_dim)
+        # The query heads of one KV head form that head's "query rows": q [S, Hkv, G, D] vs k [S, Hkv, L, D].
+        qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.to(q.dtype), scale=scale)
+        return out.reshape(num_seqs, num_heads, head_dim)
 
     def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                     src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -78,3 +71,22 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
     return out.transpose(0, 1)
+
+
+def _decode_gather(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot of every (sequence, position < max_seq_len) and the additive mask of padded positions,
+    computed once per step and shared by every layer (kept on the metadata object).
+
+    NOTE: padded positions read slot 0 (whatever it holds) and are masked with -inf, so a stale NaN
+    there never reaches the output: SDPA gives masked keys exactly zero weight.
+    """
+    cached = md.scratch.get("decode_gather")
+    if cached is None:
+        dev = md.block_tables.device
+        pos = torch.arange(md.max_seq_len, device=dev)
+        pad = pos[None, :] >= md.seq_lens[:, None].long()                               # [S, L]
+        slots = md.block_tables.long()[:, pos // block_size] * block_size + pos % block_size
+        mask = torch.zeros(pad.shape, device=dev).masked_fill_(pad, float("-inf"))[:, None, None, :]
+        cached = (slots.masked_fill_(pad, 0).view(-1), mask)                           # [S * L], [S, 1, 1, L]
+        md.scratch["decode_gather"] = cached
+    return cached
