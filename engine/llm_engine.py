@@ -186,7 +186,7 @@ class LLMEngine:
             group = seq.group
             assert group is not None
             if seq.max_tokens == 0:           # prefill only (a prefix being pinned)
-                self._finish_seq(seq, "length")
+                deltas.setdefault(seq.request_id, []).append(self._finish_seq(seq, "length"))
                 continue
             if group.beam is not None:
                 seq.pending_logprobs = torch.log_softmax(logits[i].float(), dim=-1)

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from engine.config import EngineConfig
-from service import chat, completions, openapi, status, websocket
+from service import chat, completions, openapi, prefixes, status, websocket
+from prefix_store import MemoryPrefixStore, PrefixStore, StoreUnavailable
 from service.config import ServiceConfig
+from service.registry import PrefixRegistry
 from service.errors import error_middleware
 from service.metrics import METRICS, Metrics, metrics_middleware
-from service.prefix_hook import PREFIX_RESOLVER, no_prefixes
 from service.state import STATE, ServiceState
 
 if TYPE_CHECKING:
@@ -35,10 +36,10 @@ def create_app(config: ServiceConfig) -> web.Application:
     state = ServiceState(config)
     app[STATE] = state
     app[METRICS] = Metrics(lambda: state.engine.stats() if state.engine is not None else None)
-    app[PREFIX_RESOLVER] = no_prefixes
     app.cleanup_ctx.append(_engine_ctx)
     app.on_shutdown.append(_start_draining)
     websocket.setup(app)
+    prefixes.setup(app)
     app.router.add_post("/v1/completions", completions.create_completion)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
     app.router.add_get("/v1/models", status.list_models)
@@ -66,6 +67,8 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     app[_LOADER] = asyncio.create_task(_load(state), name="engine-load")
     yield
     app[_LOADER].cancel()
+    if state.registry is not None:
+        await state.registry.close()
     if state.engine is not None:
         await state.engine.shutdown()
 
@@ -81,8 +84,29 @@ async def _load(state: ServiceState) -> None:
         log.exception("loading the model failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
         return
+    # Warm every registered prefix before /health says ready (the registry pins through the engine).
+    registry = PrefixRegistry(await _open_store(state.config), engine, address=f"{state.config.host}:{state.config.port}")
+    await registry.start()
+    await registry.ready.wait()
+    state.registry = registry
     state.engine = engine
-    log.info("ready: %s (max_model_len %d)", state.model_name, engine.max_model_len)
+    log.info("ready: %s (max_model_len %d, %d prefixes pinned)", state.model_name, engine.max_model_len,
+             len(registry.local))
+
+
+async def _open_store(config: ServiceConfig) -> PrefixStore:
+    """Redis when a URL is given (even if it is down now: the store reconnects), else the embedded one."""
+    if config.redis_url is None:
+        return MemoryPrefixStore()
+    from prefix_store.redis import RedisPrefixStore, connect
+    try:
+        return await connect(config.redis_url)
+    except StoreUnavailable as exc:
+        log.warning("Redis is unavailable at start (%s); serving without it until it comes back", exc)
+        from redis.asyncio import Redis
+        client = Redis.from_url(config.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                health_check_interval=10)
+        return RedisPrefixStore(client)
 
 
 def _build_engine(config: EngineConfig) -> AsyncEngine:

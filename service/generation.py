@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +44,7 @@ class Usage:
 
 class Generation:
     def __init__(self, engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, on_finish: Callable[[Usage], None] | None = None) -> None:
         self.id = uuid.uuid4().hex
         self.created = int(time.time())
         self.prompts = prompts
@@ -57,6 +57,7 @@ class Generation:
         self._pumps: list[asyncio.Task[None]] = []
         self._refused: dict[int, EngineError] = {}
         self._open = len(prompts) * self.n
+        self._on_finish = on_finish           # called once, when every choice has finished
 
     @property
     def num_choices(self) -> int:
@@ -116,6 +117,8 @@ class Generation:
                 self._open -= 1
                 if index % self.n == 0:
                     self.usage.cached_tokens += out.num_cached_tokens
+                if self._open == 0 and self._on_finish is not None:
+                    self._on_finish(self.usage)
             yield ChoiceDelta(index, o.text, list(o.token_ids), o.finish_reason if out.finished else None)
 
     async def collect(self) -> list[ChoiceDelta]:

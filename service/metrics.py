@@ -60,6 +60,14 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.requests = Counter("prefixserve_http_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=self.registry)
+        self.prefix_hits = Counter("prefixserve_prefix_hit_requests", "Requests naming a registered prefix that "
+                                   "hit its cached blocks, by prefix", ["prefix"], registry=self.registry)
+        self.prefix_saved = Counter("prefixserve_prefix_tokens_saved", "Prompt tokens served from a named "
+                                    "prefix's cached blocks, by prefix", ["prefix"], registry=self.registry)
+
+    def prefix_used(self, name: str, hit: int, tokens_saved: int) -> None:
+        self.prefix_hits.labels(name).inc(hit)
+        self.prefix_saved.labels(name).inc(tokens_saved)
 
     def finished(self, e2e: float, ttft: float | None, num_tokens: int) -> None:
         """One engine request ran to its end (not aborted by its client)."""

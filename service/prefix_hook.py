@@ -1,17 +1,18 @@
 """The `prefix` request field: names a registered prefix whose tokens go before the prompt.
 
-NOTE: the prefix registry (issue 5) replaces `app[PREFIX_RESOLVER]` with a lookup in its store. Until
-then no prefix is registered, so naming one is a 404 in the OpenAI error shape.
+Names resolve in the replica's local view of the registry (never in Redis: the store is not on the
+per-request path). A request that named a prefix is counted in the per-prefix metrics when it ends.
 """
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from aiohttp import web
 
 from service.errors import ApiError
-
-PrefixResolver = Callable[[str], Awaitable[list[int]]]   # name -> token ids, or raises ApiError
+from service.generation import Usage
+from service.metrics import METRICS
+from service.state import STATE
 
 
 def unknown_prefix(name: str) -> ApiError:
@@ -19,8 +20,25 @@ def unknown_prefix(name: str) -> ApiError:
                     code="prefix_not_found")
 
 
-async def no_prefixes(name: str) -> list[int]:
-    raise unknown_prefix(name)
+def with_prefix(app: web.Application, prefix: str | None, prompts: list[list[int]]) -> list[list[int]]:
+    """Prepends the named prefix's tokens to every prompt (404 when the name is not registered here)."""
+    if prefix is None:
+        return prompts
+    registry = app[STATE].registry
+    if registry is None:
+        raise unknown_prefix(prefix)
+    head = registry.resolve(prefix)
+    return [head + p for p in prompts]
 
 
-PREFIX_RESOLVER: web.AppKey[PrefixResolver] = web.AppKey("prefix_resolver")
+def on_prefix_use(app: web.Application, prefix: str | None) -> Callable[[Usage], None] | None:
+    """The Generation callback that counts a finished request against its named prefix."""
+    registry = app[STATE].registry
+    if prefix is None or registry is None:
+        return None
+
+    def record(usage: Usage) -> None:
+        hit, saved = registry.record_use(prefix, usage.cached_tokens)
+        app[METRICS].prefix_used(prefix, hit, saved)
+
+    return record

@@ -10,12 +10,10 @@ from service.protocol import _content, _encode, read_json
 from service.registry import NAME_RE, PrefixRegistry
 from service.state import STATE
 
-REGISTRY = web.AppKey("prefix_registry", PrefixRegistry)
-
-
 def _registry(request: web.Request) -> PrefixRegistry:
-    request.app[STATE].ready_engine()          # 503 while warming, like every engine-backed endpoint
-    registry = request.app.get(REGISTRY)
+    state = request.app[STATE]
+    state.ready_engine()                       # 503 while warming, like every engine-backed endpoint
+    registry = state.registry
     if registry is None:
         raise ApiError(503, "the prefix registry is still starting; retry shortly", type="service_unavailable",
                        code="warming", headers={"Retry-After": "1"})

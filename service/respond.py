@@ -10,7 +10,7 @@ from service import sse
 from service.errors import invalid
 from service.generation import ChoiceDelta, Generation
 from service.metrics import METRICS
-from service.prefix_hook import PREFIX_RESOLVER
+from service.prefix_hook import on_prefix_use, with_prefix
 from service.protocol import GenerationRequest
 from service.state import STATE
 
@@ -19,22 +19,14 @@ BodyFn = Callable[[Generation, list[ChoiceDelta]], dict[str, Any]]    # all choi
 HeadFn = Callable[[Generation], dict[str, Any]]                       # id, object, created, model
 
 
-async def with_prefix(request: web.Request, prefix: str | None, prompts: list[list[int]]) -> list[list[int]]:
-    """Prepends the named prefix's tokens to every prompt (the resolver raises 404 when unknown)."""
-    if prefix is None:
-        return prompts
-    head = await request.app[PREFIX_RESOLVER](prefix)
-    return [head + p for p in prompts]
-
-
 async def respond(request: web.Request, prompts: list[list[int]], req: GenerationRequest, *,
                   head: HeadFn, chunks: ChunkFn, body: BodyFn) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.ready_engine()
     if len(prompts) * req.params.n > state.config.max_choices:
         raise invalid(f"the number of prompts times n must be at most {state.config.max_choices}", "n")
-    prompts = await with_prefix(request, req.prefix, prompts)
-    gen = Generation(engine, prompts, req.params, request.app[METRICS])
+    prompts = with_prefix(request.app, req.prefix, prompts)
+    gen = Generation(engine, prompts, req.params, request.app[METRICS], on_prefix_use(request.app, req.prefix))
     try:
         await gen.start()
         if req.stream:

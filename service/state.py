@@ -11,6 +11,7 @@ from service.errors import ApiError
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
+    from service.registry import PrefixRegistry
 
 
 @dataclass
@@ -19,6 +20,7 @@ class ServiceState:
     engine: AsyncEngine | None = None     # None while the model loads (warming)
     load_error: str | None = None         # set when loading the model failed
     draining: bool = False                # SIGTERM received: finish running streams, take no new ones
+    registry: PrefixRegistry | None = None  # set with the engine, once every registered prefix is warm
 
     @property
     def model_name(self) -> str:

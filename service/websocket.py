@@ -23,7 +23,7 @@ from service.errors import ApiError, from_engine, invalid
 from service.generation import Generation
 from service.metrics import METRICS
 from service.protocol import check_model, parse_json, parse_messages, parse_prompts, parse_request
-from service.respond import with_prefix
+from service.prefix_hook import on_prefix_use, with_prefix
 from service.state import STATE
 
 
@@ -90,8 +90,9 @@ class Session:
         prompts = [parse_messages(body["messages"], engine.tokenizer)] if chat else parse_prompts(body, engine.tokenizer)
         if len(prompts) * req.params.n > self.state.config.max_choices:
             raise invalid(f"the number of prompts times n must be at most {self.state.config.max_choices}", "n")
-        prompts = await with_prefix(self.request, req.prefix, prompts)
-        gen = Generation(engine, prompts, req.params, self.request.app[METRICS])
+        prompts = with_prefix(self.request.app, req.prefix, prompts)
+        gen = Generation(engine, prompts, req.params, self.request.app[METRICS],
+                         on_prefix_use(self.request.app, req.prefix))
         await gen.start()
         return gen
 

@@ -32,6 +32,7 @@ def test_pinned_prefix_survives_pressure_unpinned_one_is_evicted(tiny_llama_dir:
     assert stats.kv_blocks_used == stats.kv_blocks_pinned == 4
     assert llm.unpin_prefix(pinned) == 4
     assert llm.stats().kv_blocks_pinned == 0 and llm.stats().kv_blocks_used == 0
+    assert not llm.engine.requests                                           # the pin request is gone too
 
 
 def test_pin_over_cap_refused_whole(tiny_llama_dir: Path) -> None:

@@ -84,7 +84,7 @@ def test_unknown_names_are_404(srv: ServerThread) -> None:
 def test_over_the_pinned_cap_is_507_and_pins_nothing(srv: ServerThread) -> None:
     assert srv.state.engine is not None
     before = srv.state.engine.stats().kv_blocks_pinned
-    huge = "block cache page token " * 200                              # > 32 blocks (half of 64)
+    huge = "block cache page token " * 80                   # ~720 tokens: > 32 blocks (half of 64)
     status, err = http("POST", f"{srv.url}/v1/prefixes", {"name": "huge", "prompt": huge})
     assert status == 507 and "cap" in err["error"]["message"]
     assert srv.state.engine.stats().kv_blocks_pinned == before
