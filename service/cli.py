@@ -50,6 +50,7 @@ def parser() -> argparse.ArgumentParser:
     _add(serve, "--served-model-name", _opt_str, None, "model name in the API (default: the checkpoint's)")
     _add(serve, "--max-num-waiting", int, 1024, "waiting queue cap; beyond it requests get 429")
     _add(serve, "--shutdown-timeout", float, 30.0, "seconds running streams may finish after SIGTERM")
+    sub.add_parser("bench", help="run a benchmark (prefixserve bench --help for the list)", add_help=False)
     gen = sub.add_parser("generate", help="generate offline and stream the text to the terminal")
     _engine_flags(gen)
     gen.add_argument("--prompt", required=True, help="the prompt text")
@@ -107,6 +108,10 @@ async def _generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from benchmarks.cli import main as bench_main
+        raise SystemExit(bench_main(argv[1:]))
     args = parser().parse_args(argv)
     if args.command == "serve":
         try:
