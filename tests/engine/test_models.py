@@ -1,0 +1,69 @@
+"""Model loading: supported architectures and RoPE types, clear errors for the rest, dtypes."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.llama import ModelArgs, rope_inv_freq
+from engine.models.loader import load_model
+
+
+def _copy_with_config(src: Path, dst: Path, **changes: object) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_unsupported_architecture_is_a_clear_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    bad = _copy_with_config(tiny_llama_dir, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        load_model(str(bad))
+
+
+def test_unsupported_rope_type_is_a_clear_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    bad = _copy_with_config(tiny_llama_dir, tmp_path / "yarn",
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="default, linear, llama3"):
+        load_model(str(bad))
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_model(str(tmp_path / "nowhere" / "at" / "all"))
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 500000.0},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+])
+def test_rope_inverse_frequencies_equal_transformers(rope: dict) -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=dict(rope))
+    args = ModelArgs.from_hf_config({**cfg.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    if rope["rope_type"] == "default":
+        expected = 1.0 / (rope["rope_theta"] ** (torch.arange(0, 64, 2, dtype=torch.int64).float() / 64))
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu")
+    torch.testing.assert_close(rope_inv_freq(args), expected)   # bit-exact inputs: same float32 formula
+
+
+def test_bfloat16_cache_and_weights(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=8, num_kv_blocks=64)
+    assert llm.engine.kv_cache.key.dtype == torch.bfloat16
+    assert llm.engine.loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 6
+    fp32 = LLM(str(tiny_llama_dir), block_size=8, num_kv_blocks=64)
+    first = fp32.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids[0] == first.outputs[0].token_ids[0]   # logits far apart (init range 0.2)
