@@ -54,7 +54,7 @@ def _delegate(name: str, rest: list[str]) -> int:
         if option in rest and f'"{option}"' not in source:
             rest, value = _pop_option(rest, option)
             if option == "--out" and value is not None and hasattr(module, "RESULTS"):
-                module.RESULTS = Path(value)
+                module.RESULTS = Path(value)  # type: ignore[attr-defined]
             else:
                 print(f"{PROG} {name}: ignoring {option} {value} (benchmarks/{name}.py has no such option)",
                       file=sys.stderr)

@@ -281,10 +281,10 @@ class AsyncEngine:
             c = self._collectors.get(rid)
             if c is not None:
                 c.fail(exc)
-        for fut, value, exc in res.resolved:
+        for fut, value, error in res.resolved:
             if fut.done():
                 continue
-            if exc is not None:
-                fut.set_exception(exc)
+            if error is not None:
+                fut.set_exception(error)
             else:
                 fut.set_result(value)

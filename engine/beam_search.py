@@ -69,7 +69,7 @@ class BeamSearch:
             self.finished.sort(key=lambda h: -h.score)
             del self.finished[self.width:]
 
-        choices = [BeamChoice(*divmod(i, vocab), s) for i, s, h in zip(top_idx_l, top_scores_l, hits) if not h]
+        choices = [BeamChoice(i // vocab, i % vocab, s) for i, s, h in zip(top_idx_l, top_scores_l, hits) if not h]
         choices = choices[:self.width]
 
         # transformers' early-stop heuristic, evaluated with the new length

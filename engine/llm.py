@@ -42,7 +42,7 @@ class LLM:
         acc: dict[str, RequestOutput] = {}
         for i, (p, sp) in enumerate(zip(plist, per)):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, self.encode(p), sp)
+            self.engine.add_request(rid, self.encode(p), sp)  # type: ignore[arg-type]
             order[rid] = i
         bar = tqdm(total=len(plist), disable=not use_tqdm, desc="generate")
         while self.engine.has_unfinished():

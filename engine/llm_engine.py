@@ -130,7 +130,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         return group
 
-    def _new_seq(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: int,
+    def _new_seq(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float,
                  max_tokens: int, index: int, prompt_len: int | None = None) -> Sequence:
         prompt = token_ids[:prompt_len] if prompt_len is not None else token_ids
         seq = Sequence(next(self._seq_ids), request_id, prompt, params, arrival, max_tokens)
@@ -199,7 +199,9 @@ class LLMEngine:
             rows += [i] * len(family)
             targets += family
         if targets:
-            out = self.sampler(logits[rows], [t.params for t in targets], [t.generator for t in targets])
+            gens = [t.generator for t in targets if t.generator is not None]
+            assert len(gens) == len(targets), "every sampled sequence has its generator"
+            out = self.sampler(logits[rows], [t.params for t in targets], gens)
             for j, seq in enumerate(targets):
                 seq.token_ids.append(out.token_ids[j])
                 seq.cumulative_logprob += out.logprobs[j]
@@ -259,18 +261,19 @@ class LLMEngine:
 
     def _after_token(self, seq: Sequence, token: int) -> CompletionOutput:
         """Stop checks for a sampled token; returns the sequence's delta."""
-        params = seq.params
+        params, detok = seq.params, seq.detokenizer
+        assert detok is not None
         if token in params.stop_token_ids:
             seq.stop_reason = token
-            return self._finish_seq(seq, "stop", [token], seq.detokenizer.flush())
+            return self._finish_seq(seq, "stop", [token], detok.flush())
         if not params.ignore_eos and token in self.loaded.eos_token_ids:
-            return self._finish_seq(seq, "stop", [token], seq.detokenizer.flush())
-        text, stop = seq.detokenizer.update([token])
+            return self._finish_seq(seq, "stop", [token], detok.flush())
+        text, stop = detok.update([token])
         if stop is not None:
             seq.stop_reason = stop
             return self._finish_seq(seq, "stop", [token], text)
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            return self._finish_seq(seq, "length", [token], text + seq.detokenizer.flush())
+            return self._finish_seq(seq, "length", [token], text + detok.flush())
         return self._completion(seq, [token], text)
 
     def _finish_seq(self, seq: Sequence, reason: str, delta_ids: list[int] | None = None,
@@ -317,7 +320,7 @@ class LLMEngine:
                 outs = [CompletionOutput(0, "", [], "abort")]
             return self._request_output(group, outs)
         best = sorted(group.seqs, key=lambda s: -s.cumulative_logprob)[:params.n]
-        outs = [CompletionOutput(i, s.detokenizer.text, s.output_token_ids, s.finish_reason, s.stop_reason,
+        outs = [CompletionOutput(i, s.detokenizer.text if s.detokenizer else "", s.output_token_ids, s.finish_reason, s.stop_reason,
                                  s.cumulative_logprob, s.logprobs) for i, s in enumerate(best)]
         return self._request_output(group, outs)
 

@@ -3,8 +3,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.beam_search import BeamSearch
+    from engine.detokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -113,7 +120,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed = 0
         self.num_cached_tokens = -1           # prefix-cache hit at first admission; -1 until admitted
-        self.block_hashes: list = []          # full-block hashes of token_ids (BlockHash), grown lazily
+        self.block_hashes: list[Any] = []     # full-block hashes of token_ids (BlockHash), grown lazily
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.cumulative_logprob = 0.0
@@ -121,9 +128,9 @@ class Sequence:
         self.pin_on_finish = False            # a prefix computed to be pinned (engine.pin_prefix)
         self.group: SequenceGroup | None = None
         self.index = 0                        # output index within its request
-        self.pending_logprobs = None          # beam search: this beam's next-token log-probs, awaiting siblings
-        self.detokenizer = None               # set by the engine (IncrementalDetokenizer)
-        self.generator = None                 # torch.Generator, set by the engine
+        self.pending_logprobs: torch.Tensor | None = None  # beam search: next-token log-probs awaiting siblings
+        self.detokenizer: IncrementalDetokenizer | None = None   # set by the engine (not for beams)
+        self.generator: torch.Generator | None = None            # set by the engine
         self.error: str | None = None
 
     @property
@@ -164,7 +171,7 @@ class SequenceGroup:
         self.params = params
         self.seqs: list[Sequence] = [first]   # every sequence ever in the group (beams: the live ones)
         self.forked = False
-        self.beam = None                      # BeamSearch when params.use_beam_search
+        self.beam: BeamSearch | None = None   # set when params.use_beam_search
         self.error: str | None = None
         first.group = self
 

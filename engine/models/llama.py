@@ -117,6 +117,7 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
