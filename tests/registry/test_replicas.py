@@ -147,3 +147,28 @@ def test_restart_comes_back_warm(tiny_llama_dir: Path, redis: RedisServer) -> No
         assert http("DELETE", f"{second.url}/v1/prefixes/durable")[0] == 200
     finally:
         second.stop()
+
+
+def test_replicas_heartbeat_with_ttl(replicas: tuple[ServerProcess, ServerProcess], redis: RedisServer) -> None:
+    a, b = replicas
+    assert http("POST", f"{a.url}/v1/prefixes", {"name": "beat", "prompt": PROMPT + " beat"})[0] == 201
+
+    async def replicas_seen() -> list:
+        store = await connect(redis.url)
+        try:
+            return await store.replicas(None)
+        finally:
+            await store.aclose()
+
+    def both_pin_beat() -> bool:
+        infos = asyncio.run(replicas_seen())
+        mine = [r for r in infos if r.address.endswith((f":{a.port}", f":{b.port}"))]
+        return len(mine) == 2 and all("beat" in r.pinned and "running" in r.load for r in mine)
+
+    wait_for(both_pin_beat, timeout=30, what="both replicas' heartbeats to list the prefix")
+    import redis as redis_py
+    client = redis_py.Redis.from_url(redis.url)
+    ttls = [client.pttl(k) for k in client.keys("prefixserve:replica:*")]
+    client.close()
+    assert ttls and all(0 < t <= 10_000 for t in ttls)                  # liveness keys expire
+    assert http("DELETE", f"{a.url}/v1/prefixes/beat")[0] == 200
