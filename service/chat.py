@@ -6,6 +6,7 @@ from typing import Any
 from aiohttp import web
 
 from service.generation import ChoiceDelta, Generation
+from service.logprobs import chat_logprobs
 from service.protocol import check_model, parse_messages, parse_request, read_json
 from service.respond import respond
 from service.state import STATE
@@ -20,6 +21,13 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     prompt = parse_messages(body.get("messages"), engine.tokenizer)
     model = state.model_name
     started: set[int] = set()      # choices whose first chunk (with the role) went out
+    top_k = req.params.logprobs
+    tokens = state.token_text() if top_k is not None else None
+
+    def logprobs(d: ChoiceDelta) -> dict[str, Any] | None:
+        if tokens is None or top_k is None:
+            return None
+        return chat_logprobs(tokens, d.token_ids, d.logprobs or [], top_k)
 
     def head(gen: Generation) -> dict[str, Any]:
         return {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,
@@ -31,7 +39,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             started.add(d.index)
             delta = {"role": "assistant", "content": d.text}
         chunk: dict[str, Any] = {**head(gen), "choices": [
-            {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}]}
+            {"index": d.index, "delta": delta, "logprobs": logprobs(d), "finish_reason": d.finish_reason}]}
         if req.return_token_ids:
             chunk["choices"][0]["token_ids"] = d.token_ids
         if req.include_usage:
@@ -40,7 +48,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 
     def body_of(gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]:
         out = {**head(gen), "object": "chat.completion", "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+            {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs(c),
              "finish_reason": c.finish_reason, **({"token_ids": c.token_ids} if req.return_token_ids else {})}
             for c in choices]}
         if req.return_token_ids:

@@ -6,6 +6,7 @@ from typing import Any
 from aiohttp import web
 
 from service.generation import ChoiceDelta, Generation
+from service.logprobs import CompletionLogprobs
 from service.protocol import GenerationRequest, check_model, parse_prompts, parse_request, read_json
 from service.respond import respond
 from service.state import STATE
@@ -19,18 +20,19 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     req = parse_request(body, chat=False, max_choices=state.config.max_choices)
     prompts = parse_prompts(body, engine.tokenizer)
     model = state.model_name
+    logprobs = CompletionLogprobs(state.token_text()) if req.params.logprobs is not None else None
 
     def head(gen: Generation) -> dict[str, Any]:
         return {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": model}
 
     def chunks(gen: Generation, d: ChoiceDelta) -> list[dict[str, Any]]:
-        chunk = {**head(gen), "choices": [_choice(d, req)]}
+        chunk = {**head(gen), "choices": [_choice(d, req, logprobs)]}
         if req.include_usage:
             chunk["usage"] = None
         return [chunk]
 
     def body_of(gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]:
-        out = {**head(gen), "choices": [_choice(c, req) for c in choices]}
+        out = {**head(gen), "choices": [_choice(c, req, logprobs) for c in choices]}
         if req.return_token_ids:
             out["prompt_token_ids"] = gen.prompts
         return out
@@ -38,8 +40,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     return await respond(request, prompts, req, head=head, chunks=chunks, body=body_of)
 
 
-def _choice(d: ChoiceDelta, req: GenerationRequest) -> dict[str, Any]:
-    c: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+def _choice(d: ChoiceDelta, req: GenerationRequest, logprobs: CompletionLogprobs | None) -> dict[str, Any]:
+    lp = logprobs.format(d.index, d.token_ids, d.logprobs or []) if logprobs is not None else None
+    c: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
     if req.return_token_ids:
         c["token_ids"] = d.token_ids
     return c

@@ -1,9 +1,11 @@
-"""Generation: one API request's engine requests (prompts x n), run concurrently, deltas merged.
+"""Generation: one API request's engine requests (one per prompt), run concurrently, deltas merged.
 
-Choice `i * n + j` is sample j of prompt i (the OpenAI order). n > 1 runs n engine requests (seed + j
-when seeded) until the engine forks sequences itself. Each engine request is drained by a pump task
-into one queue; closing the Generation cancels the pumps, and leaving `AsyncEngine.generate` early
-aborts the request, so its KV blocks are freed at the start of the next engine step.
+Each prompt is ONE engine request carrying the client's n / best_of / beam search: the engine computes
+the prompt once and forks its samples (or beams) from it. Choice `i * n + j` is output j of prompt i
+(the OpenAI order). With best_of > n or beam search the engine streams nothing until the end and then
+hands back the n best, whole. Each engine request is drained by a pump task into one queue; closing
+the Generation cancels the pumps, and leaving `AsyncEngine.generate` early aborts the request, so its KV
+blocks (every fork's) are freed at the start of the next engine step.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import EngineError
@@ -28,6 +30,7 @@ class ChoiceDelta:
     text: str
     token_ids: list[int]
     finish_reason: str | None       # set on a choice's last delta
+    logprobs: list[dict[int, float]] | None = None    # per token of this delta, when asked for
 
 
 @dataclass
@@ -49,15 +52,16 @@ class Generation:
         self.created = int(time.time())
         self.prompts = prompts
         self.n = params.n
-        self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
+        self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts))   # once per prompt, not per sample
         self._engine = engine
         self._params = params
         self._metrics = metrics
         self._queue: asyncio.Queue[tuple[int, RequestOutput | EngineError]] = asyncio.Queue()
         self._pumps: list[asyncio.Task[None]] = []
         self._refused: dict[int, EngineError] = {}
-        self._open = len(prompts) * self.n
-        self._on_finish = on_finish           # called once, when every choice has finished
+        self._open = len(prompts)                # engine requests not yet finished
+        self._finished: set[int] = set()         # choices whose finish_reason went out
+        self._on_finish = on_finish              # called once, when every request has finished
 
     @property
     def num_choices(self) -> int:
@@ -66,11 +70,8 @@ class Generation:
     async def start(self) -> None:
         """Submits every engine request; raises the first refusal (the others are then aborted)."""
         for i, ids in enumerate(self.prompts):
-            for j in range(self.n):
-                seed = self._params.seed
-                params = replace(self._params, n=1, best_of=None, seed=None if seed is None else seed + j)
-                gen = self._engine.generate(ids, params, request_id=f"{self.id}-{i * self.n + j}")
-                self._pumps.append(asyncio.create_task(self._pump(i * self.n + j, gen)))
+            gen = self._engine.generate(ids, self._params, request_id=f"{self.id}-{i}")
+            self._pumps.append(asyncio.create_task(self._pump(i, gen)))
         # NOTE: a pump's first step runs generate() up to its first await, which is where the engine
         # validates and enqueues (or refuses) the request. Tasks start in creation order, so after one
         # yield every pump has been admitted or refused.
@@ -79,31 +80,33 @@ class Generation:
             await self.aclose()
             raise self._refused[min(self._refused)]
 
-    async def _pump(self, index: int, gen: AsyncIterator[RequestOutput]) -> None:
+    async def _pump(self, prompt: int, gen: AsyncIterator[RequestOutput]) -> None:
         t0 = time.perf_counter()
         first: float | None = None
-        tokens = 0
+        tokens: dict[int, int] = {}              # output index -> tokens so far
         try:
             async for out in gen:
-                o = out.outputs[0]
-                if o.token_ids and first is None:
-                    first = time.perf_counter()
-                    self._metrics.ttft.observe(first - t0)
-                tokens += len(o.token_ids)
-                self._queue.put_nowait((index, out))
+                for o in out.outputs:
+                    if o.token_ids and first is None:
+                        first = time.perf_counter()
+                        self._metrics.ttft.observe(first - t0)
+                    tokens[o.index] = tokens.get(o.index, 0) + len(o.token_ids)
+                self._queue.put_nowait((prompt, out))
         except EngineError as exc:
-            if first is None and tokens == 0:
-                self._refused[index] = exc
-            self._queue.put_nowait((index, exc))
+            if first is None and not tokens:
+                self._refused[prompt] = exc
+            self._queue.put_nowait((prompt, exc))
             return
-        self._metrics.finished(time.perf_counter() - t0, first - t0 if first is not None else None, tokens)
+        # per-sequence latency: the longest output stands for the request
+        self._metrics.finished(time.perf_counter() - t0, first - t0 if first is not None else None,
+                               max(tokens.values(), default=0))
 
     async def events(self, keepalive: float | None = None) -> AsyncIterator[ChoiceDelta | None]:
         """Deltas as they come; None after `keepalive` idle seconds. Raises EngineError if one fails."""
         while self._open:
             try:
                 async with asyncio.timeout(keepalive):
-                    index, out = await self._queue.get()
+                    prompt, out = await self._queue.get()
             except TimeoutError:
                 yield None
                 continue
@@ -111,15 +114,27 @@ class Generation:
                 raise out
             if out.error is not None:
                 raise EngineError(out.error)
-            o = out.outputs[0]
-            self.usage.completion_tokens += len(o.token_ids)
+            deltas = []
+            for o in out.outputs:
+                index = prompt * self.n + o.index
+                if index in self._finished or o.index >= self.n:
+                    continue
+                self.usage.completion_tokens += len(o.token_ids)
+                if o.finish_reason is not None:
+                    self._finished.add(index)
+                deltas.append(ChoiceDelta(index, o.text, list(o.token_ids), o.finish_reason,
+                                          list(o.logprobs) if o.logprobs is not None else None))
             if out.finished:
                 self._open -= 1
-                if index % self.n == 0:
-                    self.usage.cached_tokens += out.num_cached_tokens
+                self.usage.cached_tokens += out.num_cached_tokens
+                for j in range(self.n):          # every choice of a finished request ends, told or not
+                    if prompt * self.n + j not in self._finished:
+                        self._finished.add(prompt * self.n + j)
+                        deltas.append(ChoiceDelta(prompt * self.n + j, "", [], "abort"))
                 if self._open == 0 and self._on_finish is not None:
                     self._on_finish(self.usage)
-            yield ChoiceDelta(index, o.text, list(o.token_ids), o.finish_reason if out.finished else None)
+            for d in deltas:
+                yield d
 
     async def collect(self) -> list[ChoiceDelta]:
         """Runs to the end; one accumulated ChoiceDelta per choice, index ordered."""
@@ -130,6 +145,8 @@ class Generation:
             c.text += d.text
             c.token_ids.extend(d.token_ids)
             c.finish_reason = d.finish_reason or c.finish_reason
+            if d.logprobs is not None:
+                c.logprobs = (c.logprobs or []) + d.logprobs
         return acc
 
     async def aclose(self) -> None:

@@ -1,7 +1,9 @@
 """Request validation: OpenAI JSON bodies into token ids and SamplingParams, or a 400 naming the field.
 
 Types are checked strictly (a bool is not a number, a float is not an integer); ranges are checked by
-SamplingParams itself, whose InvalidRequest becomes a 400 with the same `param`.
+SamplingParams itself, whose InvalidRequest becomes a 400 with the same `param`, except those that depend
+on this server (n and best_of against max_choices) or on the API shape (logprobs: an int for completions,
+a bool plus top_logprobs for chat).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from engine.sequence import SamplingParams
 from service.errors import ApiError, invalid
 
 MAX_STOP = 16
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -96,6 +99,18 @@ def parse_request(body: dict[str, Any], *, chat: bool, max_choices: int) -> Gene
     n = _typed(body, "n", "int", 1)
     if not 1 <= n <= max_choices:
         raise invalid(f"n must be within [1, {max_choices}]", "n")
+    best_of = _typed(body, "best_of", "int")
+    if best_of is not None and not n <= best_of <= max_choices:
+        raise invalid(f"best_of must be within [n, {max_choices}] (n = {n})", "best_of")
+    use_beam_search = _typed(body, "use_beam_search", "bool", False)
+    early_stopping = body.get("early_stopping")
+    if early_stopping is None:
+        early_stopping = False
+    if not (isinstance(early_stopping, bool) or early_stopping == "never"):
+        raise invalid('early_stopping must be true, false or "never"', "early_stopping")
+    logprobs = _logprobs(body, chat)
+    if logprobs is not None and use_beam_search:
+        raise invalid("logprobs are not reported for beam search", "logprobs")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options must be an object", "stream_options")
@@ -107,12 +122,39 @@ def parse_request(body: dict[str, Any], *, chat: bool, max_choices: int) -> Gene
             n=n, temperature=float(_typed(body, "temperature", "number", 1.0)),
             top_p=float(_typed(body, "top_p", "number", 1.0)), top_k=_typed(body, "top_k", "int", -1),
             seed=_typed(body, "seed", "int"), max_tokens=max_tokens, stop=stop, stop_token_ids=stop_ids,
-            ignore_eos=_typed(body, "ignore_eos", "bool", False))
+            ignore_eos=_typed(body, "ignore_eos", "bool", False), best_of=best_of, logprobs=logprobs,
+            use_beam_search=use_beam_search, early_stopping=early_stopping,
+            length_penalty=float(_typed(body, "length_penalty", "number", 1.0)))
     except InvalidRequest as exc:
         raise invalid(exc.message, exc.param) from None
     return GenerationRequest(params=params, stream=_typed(body, "stream", "bool", False), include_usage=include_usage,
                              return_token_ids=_typed(body, "return_token_ids", "bool", False), prefix=prefix,
                              user=body.get("user"))
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """The top-k asked for, or None. Completions: `logprobs` is that k (the legacy API). Chat:
+    `logprobs: true` turns it on and `top_logprobs` (which needs it) is the k."""
+    if not chat:
+        k = _typed(body, "logprobs", "int")
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise invalid(f"logprobs must be within [0, {MAX_LOGPROBS}]", "logprobs")
+        return k
+    wanted = _typed(body, "logprobs", "bool", False)
+    k = _typed(body, "top_logprobs", "int")
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise invalid(f"top_logprobs must be within [0, {MAX_LOGPROBS}]", "top_logprobs")
+    if k is not None and not wanted:
+        raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
+    return (k or 0) if wanted else None
+
+
+def check_choices(num_prompts: int, params: SamplingParams, max_choices: int) -> None:
+    """Prompts x best_of (the sequences generated) is capped like prompts x n (those returned)."""
+    best_of = params.best_of or params.n
+    if num_prompts * best_of > max_choices:
+        param = "best_of" if best_of > params.n else "n"
+        raise invalid(f"the number of prompts times {param} must be at most {max_choices}", param)
 
 
 def parse_prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:

@@ -7,11 +7,10 @@ from typing import Any
 from aiohttp import web
 
 from service import sse
-from service.errors import invalid
 from service.generation import ChoiceDelta, Generation
 from service.metrics import METRICS
 from service.prefix_hook import on_prefix_use, with_prefix
-from service.protocol import GenerationRequest
+from service.protocol import GenerationRequest, check_choices
 from service.state import STATE
 
 ChunkFn = Callable[[Generation, ChoiceDelta], list[dict[str, Any]]]   # one delta -> SSE chunks
@@ -23,8 +22,7 @@ async def respond(request: web.Request, prompts: list[list[int]], req: Generatio
                   head: HeadFn, chunks: ChunkFn, body: BodyFn) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.ready_engine()
-    if len(prompts) * req.params.n > state.config.max_choices:
-        raise invalid(f"the number of prompts times n must be at most {state.config.max_choices}", "n")
+    check_choices(len(prompts), req.params, state.config.max_choices)
     prompts = with_prefix(request.app, req.prefix, prompts)
     gen = Generation(engine, prompts, req.params, request.app[METRICS], on_prefix_use(request.app, req.prefix))
     try:

@@ -1,13 +1,14 @@
 """ServiceState: what the handlers share: the config, the engine once it is loaded, the drain flag."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from service.config import ServiceConfig
 from service.errors import ApiError
+from service.logprobs import TokenText
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -21,6 +22,14 @@ class ServiceState:
     load_error: str | None = None         # set when loading the model failed
     draining: bool = False                # SIGTERM received: finish running streams, take no new ones
     registry: PrefixRegistry | None = None  # set with the engine, once every registered prefix is warm
+    _token_text: TokenText | None = field(default=None, repr=False)
+
+    def token_text(self) -> TokenText:
+        """Token id -> string and bytes for logprobs; built on first use, cached for the engine's tokenizer."""
+        engine = self.ready_engine()
+        if self._token_text is None:
+            self._token_text = TokenText(engine.tokenizer)
+        return self._token_text
 
     @property
     def model_name(self) -> str:

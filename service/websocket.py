@@ -2,9 +2,14 @@
 
 In:  {"type": "generate", "id": ..., "prompt" | "messages": ..., <HTTP sampling fields>}
      {"type": "cancel", "id": ...}
-Out: {"type": "delta", "id", "index", "text", "token_ids"}
+Out: {"type": "delta", "id", "index", "text", "token_ids"[, "logprobs"]}
      {"type": "done", "id", "finish_reason", "choices": [{"index", "finish_reason"}], "usage"}
      {"type": "error", "id", "error": {"message", "type", "param", "code"}}
+
+Sampling fields are those of HTTP: `n`, `best_of`, `use_beam_search`, `length_penalty`,
+`early_stopping`, and `logprobs` (an int with `prompt`; a bool plus `top_logprobs` with `messages`).
+A delta's `index` is its choice (prompt * n + sample); its `logprobs`, when asked for, is the list of
+chat-shaped entries ({"token", "logprob", "bytes", "top_logprobs"}) for its tokens.
 
 Each generation is its own task; an error ends that generation only. A cancel or the socket closing
 cancels the task, whose `finally` aborts its engine requests. A cancelled generation ends with a
@@ -21,8 +26,9 @@ from aiohttp import WSMsgType, web
 from engine.errors import EngineError
 from service.errors import ApiError, from_engine, invalid
 from service.generation import Generation
+from service.logprobs import chat_logprobs
 from service.metrics import METRICS
-from service.protocol import check_model, parse_json, parse_messages, parse_prompts, parse_request
+from service.protocol import check_choices, check_model, parse_json, parse_messages, parse_prompts, parse_request
 from service.prefix_hook import on_prefix_use, with_prefix
 from service.state import STATE
 
@@ -73,11 +79,12 @@ class Session:
             except (ApiError, EngineError) as exc:
                 await self.send_error(gid, exc)
                 return
-            self.tasks[key] = asyncio.create_task(self.generate(gid, key, gen))
+            self.tasks[key] = asyncio.create_task(self.generate(gid, key, *gen))
         else:
             await self.send_error(gid, invalid("type must be 'generate' or 'cancel'", "type"))
 
-    async def prepare(self, gid: Any, key: str, body: dict[str, Any]) -> Generation:
+    async def prepare(self, gid: Any, key: str, body: dict[str, Any]) -> tuple[Generation, int | None]:
+        """The started generation and the top-k of logprobs asked for (None: none)."""
         engine = self.state.ready_engine()
         if key in self.tasks:
             raise invalid(f"a generation with id {gid!r} is already running on this socket", "id")
@@ -88,22 +95,24 @@ class Session:
         chat = "messages" in body
         req = parse_request(body, chat=chat, max_choices=self.state.config.max_choices)
         prompts = [parse_messages(body["messages"], engine.tokenizer)] if chat else parse_prompts(body, engine.tokenizer)
-        if len(prompts) * req.params.n > self.state.config.max_choices:
-            raise invalid(f"the number of prompts times n must be at most {self.state.config.max_choices}", "n")
+        check_choices(len(prompts), req.params, self.state.config.max_choices)
         prompts = with_prefix(self.request.app, req.prefix, prompts)
         gen = Generation(engine, prompts, req.params, self.request.app[METRICS],
                          on_prefix_use(self.request.app, req.prefix))
         await gen.start()
-        return gen
+        return gen, req.params.logprobs
 
-    async def generate(self, gid: Any, key: str, gen: Generation) -> None:
+    async def generate(self, gid: Any, key: str, gen: Generation, top_k: int | None) -> None:
         reasons: list[str | None] = [None] * gen.num_choices
+        tokens = self.state.token_text() if top_k is not None else None
         try:
             async for d in gen.events():
                 assert d is not None
                 if d.text or d.token_ids:
-                    await self.ws.send_json({"type": "delta", "id": gid, "index": d.index, "text": d.text,
-                                             "token_ids": d.token_ids})
+                    frame = {"type": "delta", "id": gid, "index": d.index, "text": d.text, "token_ids": d.token_ids}
+                    if tokens is not None and top_k is not None:
+                        frame["logprobs"] = chat_logprobs(tokens, d.token_ids, d.logprobs or [], top_k)["content"]
+                    await self.ws.send_json(frame)
                 if d.finish_reason is not None:
                     reasons[d.index] = d.finish_reason
             await self.send_done(gid, reasons, gen)

@@ -163,16 +163,24 @@ async function init() {
   const models = await fetch("/v1/models").then((r) => r.json());
   model = models.data[0].id;
   $("model").textContent = model + " · " + models.data[0].max_model_len + " ctx";
-  // Registered prefixes, once the registry API exists (GET /v1/prefixes answers 200).
-  const prefixes = await fetch("/v1/prefixes").then((r) => (r.ok ? r.json() : null)).catch(() => null);
-  if (prefixes && Array.isArray(prefixes.data) && prefixes.data.length) {
-    for (const p of prefixes.data) {
-      const opt = document.createElement("option");
-      opt.value = opt.textContent = p.name;
-      $("prefix").appendChild(opt);
-    }
-    $("prefix-label").hidden = false;
+  await loadPrefixes();
+}
+
+// The prefix dropdown: registered prefixes loaded (pinned) on this replica, from GET /v1/prefixes.
+// Records of another model are listed by the API as not loaded; they cannot be used here.
+async function loadPrefixes() {
+  const listing = await fetch("/v1/prefixes").then((r) => (r.ok ? r.json() : null)).catch(() => null);
+  const loaded = listing && Array.isArray(listing.data) ? listing.data.filter((p) => p.loaded !== false) : [];
+  const select = $("prefix");
+  const chosen = select.value;
+  select.replaceChildren(new Option("none", ""));
+  for (const p of loaded) {
+    const opt = new Option(p.name + " · " + p.num_tokens + " tokens", p.name);
+    if (p.description) opt.title = p.description;
+    select.appendChild(opt);
   }
+  if (loaded.some((p) => p.name === chosen)) select.value = chosen;
+  $("prefix-label").hidden = loaded.length === 0;
 }
 
 init();

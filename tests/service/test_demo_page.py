@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 
 from tests.service.server import ServerThread, tiny_config
 
@@ -77,7 +78,7 @@ def test_demo_page_streams(browser, slow_server: ServerThread, transport: str) -
     assert int(page.inner_text("#ntok")) > 5
     cached, prompt = page.inner_text("#cached").split(" / ")
     assert 0 <= int(cached) <= int(prompt)
-    assert page.is_hidden("#prefix-label")     # no prefix registry yet: GET /v1/prefixes is a 404
+    assert page.is_hidden("#prefix-label")     # no prefix registered yet: GET /v1/prefixes lists none
     assert not errors
     if transport == "ws":
         page.fill("#system", "You are a helpful assistant.")
@@ -87,3 +88,37 @@ def test_demo_page_streams(browser, slow_server: ServerThread, transport: str) -
                                "!document.getElementById('send').disabled", timeout=30_000)
         page.screenshot(path="/tmp/demo.png", full_page=True)
     page.close()
+
+
+def test_demo_page_uses_a_registered_prefix(browser, slow_server: ServerThread) -> None:
+    """Register over HTTP, reload: the dropdown lists it; chatting with it selected hits its pinned blocks."""
+    server = slow_server
+    system = "You are the prefixserve demo. Answer in one short line, and mention the KV cache. " * 2
+    resp = requests.post(f"{server.url}/v1/prefixes", timeout=60, json={
+        "name": "demo-system", "messages": [{"role": "system", "content": system}], "description": "the demo's"})
+    assert resp.status_code in (200, 201), resp.text
+    pinned_tokens = resp.json()["num_pinned_blocks"] * 16
+    assert pinned_tokens > 0
+    page = browser.new_page(viewport={"width": 1000, "height": 820})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/")
+    page.reload()
+    page.wait_for_function("document.getElementById('health').textContent === 'ok'", timeout=20_000)
+    page.wait_for_function("!document.getElementById('prefix-label').hidden", timeout=20_000)
+    values = page.eval_on_selector_all("#prefix option", "opts => opts.map(o => o.value)")
+    assert values == ["", "demo-system"]
+    page.select_option("#prefix", "demo-system")
+    page.select_option("#transport", "sse")
+    page.fill("#max-tokens", "20")
+    page.fill("#temperature", "0")
+    page.fill("#prompt", "What does the cache keep?")
+    page.click("#send")
+    page.wait_for_function("!document.getElementById('send').disabled && "
+                           "document.getElementById('cached').textContent.includes('/')", timeout=30_000)
+    cached, prompt = page.inner_text("#cached").split(" / ")
+    assert int(cached) >= pinned_tokens and int(prompt) > int(cached)      # the prefix's blocks, from the cache
+    assert not page.query_selector(".msg.error") and not errors
+    page.screenshot(path="/tmp/demo2.png", full_page=True)
+    page.close()
+    assert requests.delete(f"{server.url}/v1/prefixes/demo-system", timeout=30).status_code == 200
