@@ -194,7 +194,8 @@ def markdown(args: argparse.Namespace, rows: list[dict], overhead: dict) -> str:
     lines = [f"# Serving benchmark ({'quick, ' if args.quick else ''}{args.model or 'demo model'})", "",
              f"{args.num_prompts} requests per rate, {args.input_len} prompt tokens, {args.output_len} output tokens "
              f"(ignore_eos), temperature 0; max_num_seqs {args.max_num_seqs}, {args.num_kv_blocks} KV blocks of "
-             f"{args.block_size}; CPU threads: {os.cpu_count()}. Streaming SSE over loopback.", "",
+             f"{args.block_size}; {os.cpu_count()} CPUs, torch threads {args.torch_threads or 'default'}. "
+             "Streaming SSE over loopback; the server is a separate process.", "",
              "| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(fmt.format(r[k]) for k, _, fmt in cols) + " |")
@@ -268,8 +269,12 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overhead-rounds", type=int, default=2, help="offline / server turns for the overhead ratio")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="OMP/torch threads for both the offline engine and the server (default: torch's)")
     p.add_argument("--quick", action="store_true", help="a small run: 32 requests, 64 in / 64 out, rates 2,8,inf")
     args = p.parse_args()
+    if args.torch_threads:  # set before torch loads; the server subprocess inherits it
+        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
     if args.quick:
         args.num_prompts, args.input_len, args.output_len, args.request_rates = 32, 64, 64, "2,8,inf"
     asyncio.run(main_async(args))
