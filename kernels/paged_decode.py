@@ -177,14 +177,14 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     return {torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
-def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, max_seq_len: int, scale: float, num_splits: int | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [num_seqs, num_heads, head_dim] attends to its whole context (seq_lens incl. itself) -> out."""
+
+def check_paged_inputs(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int, int]:
+    """Launcher asserts shared by the paged attention kernels; returns (block_size, num_kv_heads, head_dim)."""
     assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape, \
         "caches must be [num_blocks, block_size, num_kv_heads, head_dim]"
     _, block_size, num_kv_heads, head_dim = key_cache.shape
-    num_seqs, num_heads, q_dim = q.shape
+    num_heads, q_dim = q.shape[1], q.shape[2]
     assert q_dim == head_dim and num_heads % num_kv_heads == 0, \
         f"q {tuple(q.shape)} vs cache {tuple(key_cache.shape)}: head_dim must match and heads divide"
     assert q.dtype == key_cache.dtype == value_cache.dtype, \
@@ -192,10 +192,18 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     assert q.dtype in (torch.float32, torch.float16, torch.bfloat16)
     assert q.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, \
         "head_dim must be the contiguous dimension"
-    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
-    assert block_tables.stride(1) == 1
-    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (num_seqs,) and seq_lens.is_contiguous()
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.stride(1) == 1
+    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     assert 1 <= block_size <= 128 and head_dim <= 256
+    return block_size, num_kv_heads, head_dim
+
+def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, max_seq_len: int, scale: float, num_splits: int | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [num_seqs, num_heads, head_dim] attends to its whole context (seq_lens incl. itself) -> out."""
+    num_seqs, num_heads, _ = q.shape
+    block_size, num_kv_heads, head_dim = check_paged_inputs(q, key_cache, value_cache, block_tables, seq_lens)
+    assert seq_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_decode import LOG2E, dot_dtype
+from kernels.paged_decode import LOG2E, check_paged_inputs, dot_dtype
 
 
 @triton.jit
@@ -108,24 +108,12 @@ def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim]: each sequence's new tokens, K/V already in the cache -> out."""
-    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape, \
-        "caches must be [num_blocks, block_size, num_kv_heads, head_dim]"
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    num_tokens, num_heads, q_dim = q.shape
+    num_tokens, num_heads, _ = q.shape
     num_seqs = seq_lens.shape[0]
-    assert q_dim == head_dim and num_heads % num_kv_heads == 0, \
-        f"q {tuple(q.shape)} vs cache {tuple(key_cache.shape)}: head_dim must match and heads divide"
-    assert q.dtype == key_cache.dtype == value_cache.dtype, \
-        f"q {q.dtype} and caches {key_cache.dtype}/{value_cache.dtype} must share a dtype"
-    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    assert q.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, \
-        "head_dim must be the contiguous dimension"
-    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
-    assert block_tables.stride(1) == 1
-    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    block_size, num_kv_heads, head_dim = check_paged_inputs(q, key_cache, value_cache, block_tables, seq_lens)
+    assert block_tables.shape[0] == num_seqs
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,)
     assert query_start_loc.is_contiguous()
-    assert 1 <= block_size <= 128 and head_dim <= 256
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1

@@ -6,7 +6,7 @@ from typing import Any
 from aiohttp import web
 
 from service.errors import ApiError, invalid
-from service.protocol import _content, _encode, read_json
+from service.protocol import clean_messages, encode_prompt, read_json, render_messages
 from service.registry import NAME_RE, PrefixRegistry
 from service.state import STATE
 
@@ -30,20 +30,9 @@ def _render(body: dict[str, Any], tokenizer: Any) -> tuple[list[int], dict[str, 
         prompt = body["prompt"]
         if not isinstance(prompt, str) or not prompt:
             raise invalid("prompt must be a non-empty string", "prompt")
-        return _encode(tokenizer, prompt), {"prompt": prompt}
-    messages = body["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
-            raise invalid(f"messages[{i}] must be an object with a string role", "messages")
-        clean.append({"role": m["role"], "content": _content(m.get("content"), i)})
-    try:
-        text = tokenizer.apply_chat_template(clean, add_generation_prompt=False, tokenize=False)
-    except Exception as exc:
-        raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
-    return list(tokenizer.encode(text, add_special_tokens=False)), {"messages": clean}
+        return encode_prompt(tokenizer, prompt), {"prompt": prompt}
+    clean = clean_messages(body["messages"])
+    return render_messages(clean, tokenizer, add_generation_prompt=False), {"messages": clean}
 
 
 def _check_name(name: Any) -> str:

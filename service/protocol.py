@@ -161,12 +161,12 @@ def parse_prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
     """`prompt` as a string, a list of strings, token ids, or a list of token-id lists: one entry each."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return [_encode(tokenizer, prompt)]
+        return [encode_prompt(tokenizer, prompt)]
     if isinstance(prompt, list) and prompt:
         if all(_is_token(t) for t in prompt):
             return [list(prompt)]
         if all(isinstance(p, str) for p in prompt):
-            return [_encode(tokenizer, p) for p in prompt]
+            return [encode_prompt(tokenizer, p) for p in prompt]
         if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
             return [list(p) for p in prompt]
     raise invalid("prompt must be a string, a list of strings, a non-empty list of token ids, "
@@ -174,7 +174,12 @@ def parse_prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
 
 
 def parse_messages(messages: Any, tokenizer: Any) -> list[int]:
-    """Chat messages through the model's chat template; the template adds the special tokens."""
+    """Chat messages through the model's chat template, ready for the assistant's answer."""
+    return render_messages(clean_messages(messages), tokenizer, add_generation_prompt=True)
+
+
+def clean_messages(messages: Any) -> list[dict[str, str]]:
+    """Validated messages as {"role", "content"} with text content."""
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", "messages")
     clean = []
@@ -182,8 +187,13 @@ def parse_messages(messages: Any, tokenizer: Any) -> list[int]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise invalid(f"messages[{i}] must be an object with a string role", "messages")
         clean.append({"role": m["role"], "content": _content(m.get("content"), i)})
+    return clean
+
+
+def render_messages(clean: list[dict[str, str]], tokenizer: Any, add_generation_prompt: bool) -> list[int]:
+    """Token ids of the chat template's rendering; the template adds the special tokens."""
     try:
-        text = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(clean, add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as exc:  # a template that raises on this input (jinja's raise_exception, bad roles)
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -198,7 +208,7 @@ def _content(content: Any, i: int) -> str:
     raise invalid(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     # NOTE: like vLLM, completions prompts get the tokenizer's own special tokens (e.g. Llama's BOS).
     return list(tokenizer.encode(text))
 
