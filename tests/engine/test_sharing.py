@@ -170,3 +170,22 @@ def test_parallel_sampling_through_triton_block_copy(tiny_llama_dir: Path) -> No
                                       attention_backend=backend).generate([prompt], params)[0].outputs]
             for backend in ("torch", "triton")]
     assert runs[0] == runs[1]
+
+
+def test_beam_search_under_preemption_still_equals_transformers(tiny_llama_dir: Path) -> None:
+    """Beams preempted for lack of blocks are recomputed; their siblings wait for them, and the search
+    ends where transformers' does."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    prompts = [toks(14, 20 + i) for i in range(3)]
+    params = SamplingParams(n=2, best_of=4, use_beam_search=True, max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(str(tiny_llama_dir), block_size=2, num_kv_blocks=40, max_num_batched_tokens=16)
+    outs = llm.generate(prompts, params)
+    assert llm.stats().preemptions_total > 0, "the cache was meant to force preemption"
+    for p, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), num_beams=4,
+                          num_return_sequences=2, do_sample=False, max_new_tokens=12, eos_token_id=None,
+                          pad_token_id=0)
+        assert [o.token_ids for o in out.outputs] == [r[len(p):].tolist() for r in ref]
+    assert llm.stats().kv_blocks_used == 0
