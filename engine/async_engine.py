@@ -237,22 +237,24 @@ class AsyncEngine:
         if core.has_unfinished():
             try:
                 res.outputs.extend(core.step())
-            except Exception as exc:  # a failed forward pass fails the requests in it, not the engine
+            except Exception as exc:  # a failed forward pass fails the requests in flight, not the engine
                 log.exception("engine step failed")
                 for rid in list(core.requests):
-                    if rid in self._pins:
-                        continue
-                    core.abort(rid)
-                    res.failures.append((rid, EngineError(f"internal error while generating: {exc}")))
+                    aborted = core.abort(rid)
+                    if rid in self._pins and aborted is not None:
+                        res.outputs.append(aborted)      # resolved with an error below
+                    else:
+                        res.failures.append((rid, EngineError(f"internal error while generating: {exc}")))
         for out in res.outputs:
             pin = self._pins.pop(out.request_id, None) if out.finished else None
             if pin is not None:
                 fut, ids = pin
                 if out.outputs[0].finish_reason == "length" and out.error is None:
                     res.resolved.append((fut, core.pinned_prefix(ids), None))
+                elif out.error is not None:
+                    res.resolved.append((fut, None, PinCapExceeded(out.error, param="prompt")))
                 else:
-                    res.resolved.append((fut, None, PinCapExceeded(
-                        out.error or "the prefix computation was aborted; nothing was pinned", param="prompt")))
+                    res.resolved.append((fut, None, EngineError("the prefix computation was aborted; nothing was pinned")))
         res.stats = core.stats()
         return res
 

@@ -156,3 +156,32 @@ async def test_async_engine_streams_and_aborts_within_a_step(tiny_llama_dir: Pat
         assert await asyncio.gather(*(one(i) for i in range(8))) == [5 + i for i in range(8)]
     finally:
         await eng.shutdown()
+
+
+async def test_a_failed_step_fails_its_requests_not_the_engine(tiny_llama_dir: Path) -> None:
+    from engine.errors import EngineError
+
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
+    await eng.start()
+    real = eng.core.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):  # fault injection: the third forward pass raises
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected device fault")
+        return real(*args, **kwargs)
+
+    eng.core.runner.execute = flaky  # type: ignore[method-assign]
+    try:
+        with pytest.raises(EngineError, match="injected device fault"):
+            async for _ in eng.generate(toks(6, 1), SamplingParams(max_tokens=20, ignore_eos=True)):
+                pass
+        assert eng.is_running
+        n = 0
+        async for out in eng.generate(toks(6, 2), SamplingParams(max_tokens=5, ignore_eos=True)):
+            n += len(out.outputs[0].token_ids)
+        assert n == 5
+        assert eng.stats().kv_blocks_used == 0
+    finally:
+        await eng.shutdown()
