@@ -143,9 +143,10 @@ def test_beam_search_equals_transformers(tiny_model_dir: Path, width: int) -> No
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     llm = LLM(str(tiny_model_dir), block_size=4, num_kv_blocks=1024)
     rng = random.Random(width)
-    for length_penalty, early_stopping, eos in [(1.0, False, None), (0.5, True, 17)]:
-        prompt = [rng.randrange(3, hf.config.vocab_size) for _ in range(11)]
-        n = min(2, width)
+    n = min(2, width)
+
+    def both(prompt: list[int], length_penalty: float, early_stopping: bool | str,
+             eos: int | None) -> tuple[list[list[int]], list[list[int]]]:
         ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                           num_beams=width, num_return_sequences=n, do_sample=False, max_new_tokens=10,
                           length_penalty=length_penalty, early_stopping=early_stopping, eos_token_id=eos,
@@ -153,12 +154,26 @@ def test_beam_search_equals_transformers(tiny_model_dir: Path, width: int) -> No
         params = SamplingParams(n=n, best_of=width, use_beam_search=True, max_tokens=10, temperature=0,
                                 length_penalty=length_penalty, early_stopping=early_stopping, ignore_eos=True,
                                 stop_token_ids=[eos] if eos is not None else [])
-        ours = llm.generate([prompt], params)[0].outputs
+        got = [o.token_ids for o in llm.generate([prompt], params)[0].outputs]
+        # transformers fills hypotheses that ended early with `pad_token_id or eos` (pad 0 is falsy, so
+        # with EOS set the fill is EOS itself); compare up to our length
+        fill = eos if eos is not None else 0
         expected = [row[len(prompt):].tolist() for row in ref]
-        got = [o.token_ids for o in ours]
-        for e, g in zip(expected, got):          # transformers pads finished hypotheses with pad_token_id
-            assert g == e[:len(g)] and all(t == 0 for t in e[len(g):]), (expected, got)
-        assert len(got) == len(expected)
+        expected = [e[:len(g)] if all(t == fill for t in e[len(g):]) else e for e, g in zip(expected, got)]
+        return got, expected
+
+    prompt = [rng.randrange(3, hf.config.vocab_size) for _ in range(11)]
+    got, expected = both(prompt, 1.0, False, None)
+    assert got == expected
+    # Make EOS a token the best beam emits at its 4th step, so hypotheses really end on it, and
+    # exercise length_penalty and both early-stopping rules on that path.
+    eos = next(t for t in got[0][3:] if t != 0)
+    ended_on_eos = 0
+    for length_penalty, early_stopping in [(1.0, False), (0.5, True), (2.0, "never")]:
+        got, expected = both(prompt, length_penalty, early_stopping, eos)
+        assert got == expected
+        ended_on_eos += sum(1 for g in got if g and g[-1] == eos)
+    assert ended_on_eos > 0, "the EOS path was meant to be taken"
     assert llm.stats().kv_blocks_used == 0
 
 
