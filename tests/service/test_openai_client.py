@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 import torch
 from openai import AsyncOpenAI, OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer

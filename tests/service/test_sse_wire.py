@@ -1,7 +1,6 @@
 """The SSE bytes on the wire, keep-alive comments, and client disconnects aborting their requests."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Iterator
