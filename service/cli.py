@@ -36,6 +36,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "--max-num-seqs", int, 128, "max running sequences per step")
     _add(p, "--max-model-len", _opt_int, None, "context length cap (default: the model's)")
     _add(p, "--attention-backend", _opt_str, None, "torch | triton (default: triton on CUDA)")
+    _add(p, "--torch-threads", _opt_int, None, "torch intra-op threads (default: torch's; 1 is faster on "
+         "CPUs shared with other work)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -113,6 +115,11 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.cli import main as bench_main
         raise SystemExit(bench_main(argv[1:]))
     args = parser().parse_args(argv)
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            raise SystemExit("prefixserve: --torch-threads must be >= 1")
+        import torch
+        torch.set_num_threads(args.torch_threads)
     if args.command == "serve":
         try:
             config = config_from(args)
