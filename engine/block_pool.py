@@ -83,6 +83,7 @@ class FreeBlockQueue:
         self._tail = Block(-1)
         self._head.next, self._tail.prev = self._tail, self._head
         self.size = 0
+        self.num_hashed = 0     # queued blocks that still hold a hash: counted here, never scanned
         for b in blocks:
             self.append(b)
 
@@ -104,6 +105,7 @@ class FreeBlockQueue:
         block.prev.next, block.next.prev = block.next, block.prev
         block.prev = block.next = None
         self.size -= 1
+        self.num_hashed -= block.block_hash is not None
 
     def _link(self, block: Block, before: Block | None, after: Block | None) -> None:
         assert block.prev is None and block.next is None, f"{block} is already queued"
@@ -111,6 +113,7 @@ class FreeBlockQueue:
         block.prev, block.next = before, after
         before.next = after.prev = block
         self.size += 1
+        self.num_hashed += block.block_hash is not None
 
     def ids(self) -> list[int]:
         out, node = [], self._head.next
@@ -233,5 +236,7 @@ class BlockPool:
     def stats(self) -> PoolStats:
         total = len(self.blocks)
         free = self.free_queue.size
-        cached = sum(1 for b in self.cached.values() if b.evictable)
-        return PoolStats(total=total, used=total - free, pinned=self.num_pinned, cached=cached, free=free)
+        # NOTE: O(1): the engine takes a snapshot after every step. A hash is only ever given to or
+        # dropped from a block outside the queue, so the queue's count stays exact.
+        return PoolStats(total=total, used=total - free, pinned=self.num_pinned, cached=self.free_queue.num_hashed,
+                         free=free)

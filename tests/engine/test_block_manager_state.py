@@ -108,6 +108,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.mgr.num_blocks(sid) >= -(-len(toks) // B)
         stats = self.pool.stats()
         assert stats.used == NUM_BLOCKS - stats.free
+        assert stats.cached == sum(1 for b in self.pool.cached.values() if b.evictable)
         if not self.tokens:
             assert stats.used == stats.pinned
 
