@@ -31,6 +31,20 @@ MAX_SPLITS = 64
 
 
 @triton.jit
+def load_kv_tile(bt_row, kc_head, vc_head, pos, n_mask, offs_d, d_mask,
+                 stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok, BLOCK_SIZE: tl.constexpr):
+    """K^T [HEAD_DIM_PAD, BLOCK_N] and V [BLOCK_N, HEAD_DIM_PAD] of the positions `pos` of one sequence and
+    KV head, gathered token by token through its block table row (masked positions read as 0)."""
+    block = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    in_block = (pos % BLOCK_SIZE).to(tl.int64)
+    k = tl.load(kc_head + block[None, :] * stride_kc_block + in_block[None, :] * stride_kc_tok
+                + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :], other=0.0)
+    v = tl.load(vc_head + block[:, None] * stride_vc_block + in_block[:, None] * stride_vc_tok
+                + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
 def paged_decode_kernel(
     Q,                         # [num_seqs, num_heads, head_dim]
     KEY_CACHE, VALUE_CACHE,    # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -82,11 +96,8 @@ def paged_decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n                                            # [BLOCK_N]
         n_mask = pos < end
-        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_block = (pos % BLOCK_SIZE).to(tl.int64)
-
-        k = tl.load(kc_head + block[None, :] * stride_kc_block + in_block[None, :] * stride_kc_tok
-                    + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+        k, v = load_kv_tile(bt_row, kc_head, vc_head, pos, n_mask, offs_d, d_mask, stride_kc_block,
+                            stride_kc_tok, stride_vc_block, stride_vc_tok, BLOCK_SIZE)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale      # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # The tile holds >= 1 valid token (tile_start < end), so m_new is finite.
@@ -94,9 +105,6 @@ def paged_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v = tl.load(vc_head + block[:, None] * stride_vc_block + in_block[:, None] * stride_vc_tok
-                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_decode import LOG2E, check_paged_inputs, dot_dtype
+from kernels.paged_decode import LOG2E, check_paged_inputs, dot_dtype, load_kv_tile
 
 
 @triton.jit
@@ -78,11 +78,8 @@ def paged_prefill_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         pos = tile_start + offs_n                                              # [BLOCK_N]
         n_mask = pos < kv_end
-        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_block = (pos % BLOCK_SIZE).to(tl.int64)
-
-        k = tl.load(kc_head + block[None, :] * stride_kc_block + in_block[None, :] * stride_kc_tok
-                    + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+        k, v = load_kv_tile(bt_row, kc_head, vc_head, pos, n_mask, offs_d, d_mask, stride_kc_block,
+                            stride_kc_tok, stride_vc_block, stride_vc_tok, BLOCK_SIZE)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale         # [BLOCK_M, BLOCK_N]
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -93,9 +90,6 @@ def paged_prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v = tl.load(vc_head + block[:, None] * stride_vc_block + in_block[:, None] * stride_vc_tok
-                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 
