@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-slow bench clean
+.PHONY: install serve test test-slow lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ serve: $(STAMP)
 
 test: $(STAMP) redis chromium
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -x -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m mypy engine kernels service prefix_store
 
 test-slow: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from engine.llm_engine import LLMEngine
-    from engine.sequence import RequestOutput, SamplingParams
+    from engine.outputs import RequestOutput
+    from engine.sequence import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -23,8 +23,8 @@ import math
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import triton

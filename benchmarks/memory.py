@@ -39,8 +39,14 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from benchmarks.common import (add_common_args, command_line, new_figure, print_result, sharegpt_like_lengths,
-                               write_results)
+from benchmarks.common import (
+    add_common_args,
+    command_line,
+    new_figure,
+    print_result,
+    sharegpt_like_lengths,
+    write_results,
+)
 from engine.block_manager import BlockManager, PrefixHit
 from engine.block_pool import BlockPool
 

@@ -32,8 +32,17 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import (add_common_args, command_line, median_ratio, new_figure, print_result,
-                               random_prompts, run_engine, setup_torch, write_results)
+from benchmarks.common import (
+    add_common_args,
+    command_line,
+    median_ratio,
+    new_figure,
+    print_result,
+    random_prompts,
+    run_engine,
+    setup_torch,
+    write_results,
+)
 
 PREFIX_LEN, SUFFIX_LEN = 1024, 64
 FEW_SHOT = {"1-shot": 80, "5-shot": 341}
@@ -175,7 +184,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.prefix
                               "uncached_all": uncached_t}
 
     # 2. 0% hit rate: unique prompts, throughput on / off, interleaved; plus the bookkeeping time
-    book = Bookkeeping(on.manager)
+    book = Bookkeeping(on.core.manager)
     tput_on, tput_off, on_seconds = [], [], 0.0
     q0 = on.stats().prefix_cache_queried_tokens_total
     h0 = on.stats().prefix_cache_hit_tokens_total
@@ -250,7 +259,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.prefix
     table = "\n".join(rows) + (
         f"\n\nPrefix-cache bookkeeping (hashing, lookup, commit) took {100 * nh['bookkeeping_share']:.2f}% of the "
         f"caching engine's time in the 0%-hit runs. Memory pressure: 128-block cache, {reps} rounds of "
-        f"{int(1.5 * 128 * bs)} tokens of unrelated prompts, then the prefix + a fresh suffix. {args.dtype}, block size {bs}.")
+        f"{int(1.5 * 128 * bs)} tokens of unrelated prompts, then the prefix + a fresh suffix. {args.dtype}, "
+        f"block size {bs}.")
     print(table)
     result = {"ttft_cached_s": round(t1["cached_s"], 4), "ttft_uncached_s": round(t1["uncached_s"], 4),
               "ratio": round(t1["ratio"], 4), "no_hit_throughput_ratio": round(res["no_hit_throughput_ratio"], 4),

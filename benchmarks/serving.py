@@ -99,7 +99,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
         res.ok = res.output_tokens == output_len
         if not res.ok:
             res.error = f"got {res.output_tokens} of {output_len} tokens"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         res.error = repr(exc)
     return res
 
@@ -134,10 +134,12 @@ def summarize(rate: float, results: list[Result], duration: float) -> dict:
     itl = [x for r in ok for x in r.itl]
     out_tokens = sum(r.output_tokens for r in ok)
     return {
-        "request_rate": "inf" if rate == float("inf") else rate, "requests": len(results), "errors": len(results) - len(ok),
+        "request_rate": "inf" if rate == float("inf") else rate, "requests": len(results),
+        "errors": len(results) - len(ok),
         "duration_s": duration, "request_throughput": len(ok) / duration, "output_tokens_per_s": out_tokens / duration,
         "ttft_ms_mean": statistics.fmean(r.ttft for r in ok) * ms if ok else float("nan"),
-        "ttft_ms_p50": percentile([r.ttft for r in ok], 50) * ms, "ttft_ms_p99": percentile([r.ttft for r in ok], 99) * ms,
+        "ttft_ms_p50": percentile([r.ttft for r in ok], 50) * ms,
+        "ttft_ms_p99": percentile([r.ttft for r in ok], 99) * ms,
         "tpot_ms_p50": percentile(tpot, 50) * ms, "tpot_ms_p99": percentile(tpot, 99) * ms,
         "itl_ms_p50": percentile(itl, 50) * ms, "itl_ms_p99": percentile(itl, 99) * ms,
         "first_errors": sorted({r.error for r in results if not r.ok})[:3],
@@ -211,6 +213,7 @@ def markdown(args: argparse.Namespace, rows: list[dict], overhead: dict) -> str:
 
 async def main_async(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
+
     from engine.models.demo import demo_model_path
     model_dir = args.model or str(demo_model_path())
     tok = AutoTokenizer.from_pretrained(model_dir)

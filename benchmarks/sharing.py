@@ -36,8 +36,17 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.common import (add_common_args, command_line, new_figure, print_result, random_prompts, run_engine,
-                               setup_torch, sharegpt_like_lengths, write_results)
+from benchmarks.common import (
+    add_common_args,
+    command_line,
+    new_figure,
+    print_result,
+    random_prompts,
+    run_engine,
+    setup_torch,
+    sharegpt_like_lengths,
+    write_results,
+)
 from engine.block_manager import BlockManager, SeqBlocks
 
 PAPER = {"parallel": (0.061, 0.098), "beam": (0.376, 0.552)}
@@ -68,8 +77,8 @@ class Trace:
 
     def record(self, engine: Any) -> None:
         self.used.append(engine.stats().kv_blocks_used - engine.stats().kv_blocks_pinned)
-        m = engine.manager
-        self.unshared.append(sum(m.num_blocks(s.seq_id) for s in engine.scheduler.running if m.has(s.seq_id)))
+        m = engine.core.manager
+        self.unshared.append(sum(m.num_blocks(s.seq_id) for s in engine.core.scheduler.running if m.has(s.seq_id)))
 
 
 def blocks_saved(on: list[int], off: list[int]) -> float:
@@ -78,12 +87,12 @@ def blocks_saved(on: list[int], off: list[int]) -> float:
 
 
 def run_once(engine: Any, prompts: list[list[int]], params: list[Any], sharing: bool) -> Trace:
-    set_sharing(engine.manager, sharing)
+    set_sharing(engine.core.manager, sharing)
     trace = Trace()
     t = time.perf_counter()
     run_engine(engine, prompts, params, on_step=trace.record, prefix="share" if sharing else "copy")
     trace.seconds = time.perf_counter() - t
-    set_sharing(engine.manager, True)
+    set_sharing(engine.core.manager, True)
     assert engine.stats().kv_blocks_used == engine.stats().kv_blocks_pinned, "blocks leaked"
     return trace
 

@@ -19,8 +19,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import (add_common_args, command_line, new_figure, print_result, setup_torch,
-                               sharegpt_like_lengths, write_results)
+from benchmarks.common import (
+    add_common_args,
+    command_line,
+    new_figure,
+    print_result,
+    setup_torch,
+    sharegpt_like_lengths,
+    write_results,
+)
 from engine import LLM, SamplingParams
 
 

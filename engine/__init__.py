@@ -1,7 +1,8 @@
 """prefixserve engine: paged KV cache, prefix sharing, continuous batching. No HTTP, no Redis."""
 from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError, InvalidRequest, PinCapExceeded, QueueFull
-from engine.sequence import CompletionOutput, RequestOutput, SamplingParams
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sequence import SamplingParams
 
 __all__ = [
     "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineDead", "EngineError", "InvalidRequest", "LLM",

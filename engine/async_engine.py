@@ -1,16 +1,23 @@
 """AsyncEngine: the asyncio face of the engine. add / stream / abort, pin / unpin.
 
-One asyncio task (the engine loop) drives steps. Every touch of the engine core (LLMEngine) happens
-on one worker thread: commands from the event loop (add, abort, pin, unpin) are queued and applied
-by that thread at the start of each step, then the step's forward pass runs there too, so the event
-loop stays free to stream while the model computes.
+Who owns what:
+- The engine (LLMEngine: core, output processor, pins) belongs to ONE worker thread, the engine thread.
+  The event loop never reads or writes it; it sends commands (add, abort, pin, release, unpin) through a
+  queue that the engine thread applies at the start of each step, then runs the step there, so the loop
+  stays free to stream while the model computes. The one call the loop makes into the engine is
+  `core.make_request`, which checks a request against what never changes (length, vocabulary, context
+  size); everything that depends on the cache (pinned blocks, the waiting queue) is checked on the
+  engine thread and refused through the stream.
+- The loop owns the streams (RequestStream) and the pin futures. After each step the engine thread
+  returns a _StepResult that the loop delivers.
 
-Outputs go to one collector per request: a single slot that merges deltas when the consumer lags,
-so `put` never blocks and the engine never waits for a slow client.
+Outputs go to a RequestStream: one slot per request that merges deltas while the consumer lags
+(RequestOutput.merge), so delivery never blocks and the engine never waits for a slow client.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -21,88 +28,129 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineDead, EngineError, InvalidRequest, PinCapExceeded, QueueFull
-from engine.llm_engine import EngineStats, LLMEngine, PinnedPrefix
-from engine.sequence import RequestOutput, SamplingParams
+from engine.core import EngineStats
+from engine.errors import EngineDead, EngineError, InvalidRequest
+from engine.llm_engine import LLMEngine
+from engine.outputs import PinnedPrefix, RequestOutput
+from engine.sequence import EngineRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class _Collector:
-    """One slot of pending output for a request; deltas merge while the consumer is away."""
+class RequestStream:
+    """The outputs of one or more engine requests, merged per request while the consumer is away.
 
-    def __init__(self) -> None:
-        self._pending: RequestOutput | None = None
-        self._error: BaseException | None = None
+    `accepted()` waits until the engine thread admitted every request (or raises the first refusal);
+    `get()` returns what arrived since the last call, one merged RequestOutput per request, and raises
+    the error of a request the engine refused or ended with an error; `abort()` ends every request
+    that has not finished. Loop-side object: touched only on the event loop.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._pending: dict[str, RequestOutput] = {}
+        self._errors: list[EngineError] = []
+        self._open: set[str] = set()          # submitted, not finished
+        self._unaccepted: set[str] = set()
         self._ready = asyncio.Event()
+        self._admitted = asyncio.Event()
 
-    def put(self, out: RequestOutput) -> None:
-        if self._pending is None:
-            self._pending = out
-        else:
-            self._pending = _merge_delta(self._pending, out)
+    @property
+    def finished(self) -> bool:
+        return not self._open and not self._pending
+
+    def _submitted(self, request_id: str) -> None:
+        self._open.add(request_id)
+        self._unaccepted.add(request_id)
+        self._admitted.clear()
+
+    def _accept(self, request_id: str) -> None:
+        self._unaccepted.discard(request_id)
+        if not self._unaccepted:
+            self._admitted.set()
+
+    def _put(self, out: RequestOutput) -> None:
+        self._accept(out.request_id)
+        prev = self._pending.get(out.request_id)
+        self._pending[out.request_id] = out if prev is None else prev.merge(out)
+        if out.finished:
+            self._open.discard(out.request_id)
         self._ready.set()
 
-    def fail(self, exc: BaseException) -> None:
-        self._error = exc
+    def _fail(self, request_id: str, exc: EngineError) -> None:
+        self._open.discard(request_id)
+        self._errors.append(exc)
+        self._accept(request_id)
+        self._admitted.set()
         self._ready.set()
 
-    async def get(self) -> RequestOutput:
+    async def accepted(self) -> None:
+        await self._admitted.wait()
+        if self._errors:
+            raise self._errors[0]
+
+    async def get(self) -> list[RequestOutput]:
         await self._ready.wait()
         self._ready.clear()
-        if self._pending is not None:
-            out, self._pending = self._pending, None
-            return out
-        assert self._error is not None
-        raise self._error
+        return self._take()
 
+    def _take(self) -> list[RequestOutput]:
+        if self._errors:
+            raise self._errors[0]
+        outs = list(self._pending.values())
+        self._pending.clear()
+        for out in outs:
+            if out.error is not None:
+                raise out.error
+        return outs
 
-def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    by_index = {o.index: o for o in a.outputs}
-    for o in b.outputs:
-        cur = by_index.get(o.index)
-        if cur is None:
-            a.outputs.append(o)
-            continue
-        cur.text += o.text
-        cur.token_ids = cur.token_ids + o.token_ids
-        if o.logprobs:
-            cur.logprobs = (cur.logprobs or []) + o.logprobs
-        cur.finish_reason, cur.stop_reason, cur.cumulative_logprob = o.finish_reason, o.stop_reason, o.cumulative_logprob
-    a.outputs.sort(key=lambda o: o.index)
-    a.finished, a.num_cached_tokens = b.finished, b.num_cached_tokens
-    return a
+    async def final(self) -> list[RequestOutput]:
+        """Waits until every request has finished; their whole outputs (for a consumer that never
+        called `get`). Raises like `get`."""
+        while self._open and not self._errors:
+            await self._ready.wait()
+            self._ready.clear()
+        return self._take()
+
+    def abort(self) -> None:
+        """Ends every unfinished request of the stream (idempotent); blocks are freed at the next step."""
+        for rid in self._open:
+            self._engine.abort(rid)
+        self._engine._forget(self._open)
+        self._open.clear()
 
 
 @dataclass
 class _StepResult:
     outputs: list[RequestOutput] = field(default_factory=list)
-    failures: list[tuple[str, BaseException]] = field(default_factory=list)      # request id, error
-    resolved: list[tuple[asyncio.Future, Any, BaseException | None]] = field(default_factory=list)
+    accepted: list[str] = field(default_factory=list)
+    failures: list[tuple[str, EngineError]] = field(default_factory=list)            # request id, error
+    pins: list[tuple[str, PinnedPrefix | None, EngineError | None]] = field(default_factory=list)
+    unpins: list[tuple[asyncio.Future[int], int]] = field(default_factory=list)
     stats: EngineStats | None = None
-    num_adds: int = 0
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, core: LLMEngine | None = None) -> None:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
-        self.core = core or LLMEngine(config)
-        self.tokenizer = self.core.tokenizer
-        self.fingerprint = self.core.fingerprint
-        self.tokenizer_version = self.core.loaded.tokenizer_version
-        self.max_model_len = self.core.max_model_len
-        path = self.core.loaded.path
-        self.model_name = "prefixserve-demo" if config.model is None else path.name
+        self.engine = engine or LLMEngine(config)
+        self.core = self.engine.core            # tests and benchmarks reach the engine thread's state here
+        self.tokenizer = self.engine.tokenizer
+        self.fingerprint = self.engine.fingerprint
+        self.tokenizer_version = self.engine.loaded.tokenizer_version
+        self.max_model_len = self.engine.max_model_len
+        self.model_name = "prefixserve-demo" if config.model is None else self.engine.loaded.path.name
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._collectors: dict[str, _Collector] = {}
-        self._pins: dict[str, tuple[asyncio.Future, list[int]]] = {}     # request id -> (future, prefix)
+        self._streams: dict[str, RequestStream] = {}                        # loop side
+        self._pin_futures: dict[str, asyncio.Future[PinnedPrefix]] = {}      # loop side
+        self._pins_waiting: set[str] = set()                                 # engine-thread side
+        self._pin_ids = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._wakeup: asyncio.Event | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
-        self._task: asyncio.Task | None = None
-        self._stats = self.core.stats()
-        self._pending_adds = 0
+        self._task: asyncio.Task[None] | None = None
+        self._stats = self.engine.stats()
         self.dead: BaseException | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -120,8 +168,8 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for rid, c in list(self._collectors.items()):
-            c.fail(EngineDead("the engine is shutting down"))
+        for rid, stream in list(self._streams.items()):
+            stream._fail(rid, EngineDead("the engine is shutting down"))
         self._executor.shutdown(wait=True)
 
     @property
@@ -129,51 +177,65 @@ class AsyncEngine:
         return self._task is not None and not self._task.done() and self.dead is None
 
     # -- requests -----------------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Deltas of one request; the last has `finished` set. Leaving the loop early aborts it."""
+    def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+            stream: RequestStream | None = None) -> RequestStream:
+        """Submits a request; its outputs arrive on `stream` (a new one unless given, so several requests
+        can share one). Raises InvalidRequest (checks on fixed inputs) or EngineDead at once; refusals
+        that depend on the cache arrive through the stream."""
         if not self.is_running:
             raise EngineDead("the engine is not running")
         rid = request_id or uuid.uuid4().hex
-        if rid in self._collectors:
+        if rid in self._streams:
             raise InvalidRequest(f"request id {rid!r} is already in use", param="id")
-        self.core.validate(prompt_token_ids, params)
-        if self._stats.requests_waiting + self._pending_adds >= self.config.max_num_waiting:
-            raise QueueFull(f"the waiting queue is full ({self.config.max_num_waiting} requests); retry later")
-        collector = _Collector()
-        self._collectors[rid] = collector
-        self._pending_adds += 1
-        self._send(("add", rid, list(prompt_token_ids), params))
-        finished = False
+        request = self.engine.core.make_request(rid, prompt_token_ids, params)
+        stream = stream or RequestStream(self)
+        stream._submitted(rid)
+        self._streams[rid] = stream
+        self._send(("add", request))
+        return stream
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request; the last has `finished` set. Leaving the loop early aborts it."""
+        stream = self.add(prompt_token_ids, params, request_id)
         try:
-            while not finished:
-                out = await collector.get()
-                finished = out.finished
-                yield out
+            while not stream.finished:
+                for out in await stream.get():
+                    yield out
         finally:
-            self._collectors.pop(rid, None)
-            if not finished:
-                self.abort(rid)
+            stream.abort()
 
     def abort(self, request_id: str) -> None:
-        """Thread-safe and idempotent; the request's blocks are freed at the start of the next step."""
+        """Idempotent; the request's blocks are freed at the start of the next step. Any thread."""
         self._send(("abort", request_id))
 
+    def _forget(self, request_ids: set[str]) -> None:
+        for rid in request_ids:
+            self._streams.pop(rid, None)
+
     async def pin_prefix(self, token_ids: list[int]) -> PinnedPrefix:
-        """Computes (or reuses) the prefix's KV and pins its full blocks. Raises PinCapExceeded."""
+        """Computes (or reuses) the prefix's KV and pins its full blocks; the pins are the caller's once
+        this returns. Cancelled at any point, it undoes what it did. Raises PinCapExceeded (nothing
+        pinned), InvalidRequest or EngineDead."""
         if not self.is_running:
             raise EngineDead("the engine is not running")
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._send(("pin", fut, list(token_ids)))
-        return await fut
+        job_id = f"pin-{next(self._pin_ids)}"
+        fut: asyncio.Future[PinnedPrefix] = asyncio.get_running_loop().create_future()
+        self._pin_futures[job_id] = fut
+        self._send(("pin", job_id, list(token_ids)))
+        kept = False
+        try:
+            result = await fut
+            kept = True
+            return result
+        finally:
+            self._pin_futures.pop(job_id, None)
+            self._send(("release", job_id, kept))
 
     async def unpin_prefix(self, token_ids: list[int]) -> int:
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._send(("unpin", fut, list(token_ids)))
         return await fut
-
-    def prefix_block_hashes(self, token_ids: list[int]) -> list[str]:
-        return [h.hex() for h in self.core.manager.block_hashes(token_ids)]
 
     def stats(self) -> EngineStats:
         """A snapshot taken by the engine thread after its last step."""
@@ -194,7 +256,7 @@ class AsyncEngine:
         assert self._wakeup is not None
         try:
             while True:
-                if self._commands.empty() and not self.core.has_unfinished():
+                if self._commands.empty() and not self._stats.requests_running and not self._stats.requests_waiting:
                     await self._wakeup.wait()
                 self._wakeup.clear()
                 result = await loop.run_in_executor(self._executor, self._step_in_thread)
@@ -205,88 +267,87 @@ class AsyncEngine:
         except BaseException as exc:  # the engine itself broke: fail everyone, report dead
             log.exception("engine loop died")
             self.dead = exc
-            for c in self._collectors.values():
-                c.fail(EngineDead(f"the engine stopped: {exc}"))
+            for rid, stream in list(self._streams.items()):
+                stream._fail(rid, EngineDead(f"the engine stopped: {exc}"))
             raise
 
     def _step_in_thread(self) -> _StepResult:
         """Runs on the engine thread: apply queued commands, then one step."""
         res = _StepResult()
-        core = self.core
+        engine = self.engine
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
-            kind = cmd[0]
-            if kind == "add":
-                _, rid, ids, params = cmd
-                res.num_adds += 1
-                try:
-                    core.add_request(rid, ids, params)
-                except EngineError as exc:
-                    res.failures.append((rid, exc))
-            elif kind == "abort":
-                out = core.abort(cmd[1])
-                if out is not None:
-                    res.outputs.append(out)
-            elif kind == "pin":
-                self._start_pin(cmd[1], cmd[2], res)
-            elif kind == "unpin":
-                res.resolved.append((cmd[1], core.unpin_prefix(cmd[2]), None))
-        if core.has_unfinished():
+            self._apply(cmd, res)
+        if engine.has_unfinished():
             try:
-                res.outputs.extend(core.step())
+                res.outputs.extend(engine.step())
             except Exception as exc:  # a failed forward pass fails the requests in flight, not the engine
                 log.exception("engine step failed")
-                for rid in list(core.requests):
-                    aborted = core.abort(rid)
-                    if rid in self._pins and aborted is not None:
-                        res.outputs.append(aborted)      # resolved with an error below
-                    else:
-                        res.failures.append((rid, EngineError(f"internal error while generating: {exc}")))
-        for out in res.outputs:
-            pin = self._pins.pop(out.request_id, None) if out.finished else None
-            if pin is not None:
-                fut, ids = pin
-                if out.outputs[0].finish_reason == "length" and out.error is None:
-                    res.resolved.append((fut, core.pinned_prefix(ids), None))
-                elif out.error is not None:
-                    res.resolved.append((fut, None, PinCapExceeded(out.error, param="prompt")))
-                else:
-                    res.resolved.append((fut, None, EngineError("the prefix computation was aborted; nothing was pinned")))
-        res.stats = core.stats()
+                error = EngineError(f"internal error while generating: {exc}")
+                for rid in engine.request_ids:
+                    out = engine.abort(rid, error)
+                    if out is not None:
+                        res.outputs.append(out)
+        for job_id in list(self._pins_waiting):
+            job = engine.pins.jobs.get(job_id)
+            if job is None or job.settled:
+                self._pins_waiting.discard(job_id)
+            if job is not None and job.settled:
+                res.pins.append((job_id, job.result, job.error))
+        res.stats = engine.stats()
         return res
 
-    def _start_pin(self, fut: asyncio.Future, ids: list[int], res: _StepResult) -> None:
-        core = self.core
-        try:
-            core.check_pin(ids)
-            if core.manager.cached_prefix_blocks(ids) is not None:
-                res.resolved.append((fut, core.pin_prefix(ids), None))
-                return
-            rid = f"pin-{uuid.uuid4().hex}"
-            core.add_request(rid, ids, SamplingParams(max_tokens=0, temperature=0.0), pin_on_finish=True)
-            self._pins[rid] = (fut, ids)
-        except EngineError as exc:
-            res.resolved.append((fut, None, exc))
+    def _apply(self, cmd: tuple[Any, ...], res: _StepResult) -> None:
+        engine = self.engine
+        kind = cmd[0]
+        if kind == "add":
+            request: EngineRequest = cmd[1]
+            try:
+                engine.add(request)
+                res.accepted.append(request.request_id)
+            except EngineError as exc:
+                res.failures.append((request.request_id, exc))
+        elif kind == "abort":
+            out = engine.abort(cmd[1])
+            if out is not None:
+                res.outputs.append(out)
+        elif kind == "pin":
+            engine.start_pin(cmd[1], cmd[2])
+            self._pins_waiting.add(cmd[1])
+        elif kind == "release":
+            engine.release_pin(cmd[1], keep=cmd[2])
+            self._pins_waiting.discard(cmd[1])
+        elif kind == "unpin":
+            res.unpins.append((cmd[1], engine.unpin_prefix(cmd[2])))
 
     def _deliver(self, res: _StepResult) -> None:
-        self._pending_adds -= res.num_adds
         if res.stats is not None:
             self._stats = res.stats
+        for rid in res.accepted:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream._accept(rid)
         for out in res.outputs:
-            c = self._collectors.get(out.request_id)
-            if c is not None:
-                c.put(out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream._put(out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
         for rid, exc in res.failures:
-            c = self._collectors.get(rid)
-            if c is not None:
-                c.fail(exc)
-        for fut, value, error in res.resolved:
-            if fut.done():
-                continue
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._fail(rid, exc)
+        for job_id, result, error in res.pins:
+            fut = self._pin_futures.get(job_id)
+            if fut is None or fut.done():
+                continue            # its waiter is gone; its "release" (keep=False) undoes the pin
             if error is not None:
                 fut.set_exception(error)
             else:
-                fut.set_result(value)
+                fut.set_result(result)  # type: ignore[arg-type]
+        for ufut, n in res.unpins:
+            if not ufut.done():
+                ufut.set_result(n)

@@ -1,4 +1,4 @@
-"""Per-sequence block tables over the BlockPool: prefix-cache lookup, on-demand growth, forks, pins.
+"""Per-sequence block tables over the BlockPool: prefix-cache lookup, on-demand growth, forks.
 
 The scheduler talks to this class in sequence ids and token counts; it never sees `Block` objects.
 Standard library only, like the pool.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from engine.block_pool import Block, BlockHash, BlockPool, PinCapError, hash_block, root_hash
+from engine.block_pool import Block, BlockHash, BlockPool, hash_block, root_hash
 
 
 @dataclass
@@ -156,46 +156,15 @@ class BlockManager:
     def has(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
-    # -- pinning ------------------------------------------------------------------------------
-    def cached_prefix_blocks(self, token_ids: Seq[int]) -> list[Block] | None:
-        """The cached blocks of every full block of `token_ids`, or None if any is missing."""
+    # -- prefixes -----------------------------------------------------------------------------
+    def cached_blocks(self, token_ids: Seq[int], hashes: Seq[BlockHash] | None = None) -> list[Block | None]:
+        """The cached block of each full block of `token_ids` (None where it is not cached);
+        `hashes`: their chained hashes, if the caller has them. Pins (engine/pinning.py) and the
+        admission check read the cache through this one method."""
+        if hashes is None:
+            hashes = self.block_hashes(token_ids)
         b = self.block_size
-        out = []
-        for i, h in enumerate(self.block_hashes(token_ids)):
-            block = self.pool.lookup(h, token_ids[i * b:(i + 1) * b])
-            if block is None:
-                return None
-            out.append(block)
-        return out
-
-    def pin(self, token_ids: Seq[int]) -> list[Block]:
-        """Pin the full blocks of an already computed prefix. Raises PinCapError (nothing pinned)."""
-        blocks = self.cached_prefix_blocks(token_ids)
-        if blocks is None:
-            raise LookupError("prefix blocks are not all cached; compute the prefix first")
-        self.pool.pin(blocks)
-        return blocks
-
-    def new_pins_needed(self, token_ids: Seq[int]) -> int:
-        """How many not-yet-pinned blocks pinning this prefix would add (upper bound before compute)."""
-        b = self.block_size
-        n = 0
-        for i, h in enumerate(self.block_hashes(token_ids)):
-            block = self.pool.lookup(h, token_ids[i * b:(i + 1) * b])
-            if block is None or block.pin_count == 0:
-                n += 1
-        return n
-
-    def unpin(self, token_ids: Seq[int]) -> int:
-        blocks = self.cached_prefix_blocks(token_ids)
-        if blocks is None or any(blk.pin_count == 0 for blk in blocks):
-            return 0
-        self.pool.unpin(blocks)
-        return len(blocks)
-
-    def num_pinned_hits(self, token_ids: Seq[int]) -> int:
-        """Leading full blocks of `token_ids` that sit pinned in the cache."""
-        return sum(1 for blk in self.lookup(token_ids).blocks if blk.pin_count > 0)
+        return [self.pool.lookup(h, token_ids[i * b:(i + 1) * b]) for i, h in enumerate(hashes)]
 
 
-__all__ = ["BlockManager", "PinCapError", "PrefixHit"]
+__all__ = ["BlockManager", "PrefixHit"]

@@ -67,7 +67,8 @@ class Block:
         return self.ref_count == 0 and self.pin_count == 0
 
     def __repr__(self) -> str:
-        return f"Block({self.block_id}, ref={self.ref_count}, pin={self.pin_count}, hashed={self.block_hash is not None})"
+        hashed = self.block_hash is not None
+        return f"Block({self.block_id}, ref={self.ref_count}, pin={self.pin_count}, hashed={hashed})"
 
 
 class FreeBlockQueue:

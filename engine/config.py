@@ -1,49 +1,60 @@
-"""EngineConfig: every engine knob in one validated dataclass, passed explicitly."""
+"""EngineConfig: every engine knob in one validated dataclass, passed explicitly.
+
+Each field's `metadata["help"]` is its one-line documentation: `prefixserve serve|generate` turn every
+field into a flag (`--block-size`) and an environment variable (`PREFIXSERVE_BLOCK_SIZE`) from it
+(service/flags.py), so a knob is declared once, here.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-_DTYPES = ("float32", "bfloat16", "float16")
-_BACKENDS = ("torch", "triton")
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+def knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A dataclass field with its help text (and choices, for strings), for the generated CLI."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None            # checkpoint directory or hub id; None = built-in demo model
-    block_size: int = 16
-    num_kv_blocks: int | None = None    # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0     # budget used when num_kv_blocks is None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None    # None: from the checkpoint's max_position_embeddings
-    max_num_waiting: int = 1024         # admission queue cap (service answers 429 beyond it)
-    device: str = "cpu"
-    dtype: str = "float32"
-    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
-    enable_prefix_caching: bool = True
-    pinned_fraction: float = 0.5        # cap on pinned blocks, as a share of all blocks
-    seed: int = 0
+    model: str | None = knob(None, "model: a Hugging Face checkpoint directory (safetensors) or a .gguf file "
+                                   "(default: the built-in model)")
+    device: str = knob("cpu", "torch device: cpu, cuda, cuda:1, ...")
+    dtype: str = knob("float32", "weights and KV cache dtype", DTYPES)
+    block_size: int = knob(16, "KV cache block size in tokens")
+    num_kv_blocks: int | None = knob(None, "KV cache blocks (default: as many as --kv-cache-memory-gb holds)")
+    kv_cache_memory_gb: float = knob(1.0, "KV cache budget in GiB, used when --num-kv-blocks is not given")
+    max_num_seqs: int = knob(128, "most sequences in one step's batch")
+    max_num_batched_tokens: int = knob(2048, "most tokens in one step's batch (prefill chunks are cut to fit)")
+    max_model_len: int | None = knob(None, "context length cap (default: the model's)")
+    max_num_waiting: int = knob(1024, "waiting queue cap; beyond it requests are refused (HTTP 429)")
+    attention_backend: str | None = knob(None, "attention kernels (default: triton on CUDA, torch elsewhere)",
+                                         ATTENTION_BACKENDS)
+    enable_prefix_caching: bool = knob(True, "share full KV blocks between requests with the same prefix")
+    pinned_fraction: float = knob(0.5, "cap on pinned (registered-prefix) blocks, as a share of all blocks")
+    torch_threads: int | None = knob(None, "torch intra-op threads (default: torch's)")
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gb <= 0:
-            raise ValueError("kv_cache_memory_gb must be > 0")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError("max_model_len must be >= 1")
-        if self.max_num_waiting < 1:
-            raise ValueError("max_num_waiting must be >= 1")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        checks: list[tuple[bool, str]] = [
+            (self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+             f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}"),
+            (self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0"),
+            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
+            (self.max_num_waiting >= 1, "max_num_waiting must be >= 1"),
+            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
+            (0.0 <= self.pinned_fraction <= 1.0, "pinned_fraction must be within [0, 1]"),
+            (self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
         if self.attention_backend is None:
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
-        if self.attention_backend not in _BACKENDS:
-            raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
-        if not 0.0 <= self.pinned_fraction <= 1.0:
-            raise ValueError("pinned_fraction must be within [0, 1]")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

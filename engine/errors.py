@@ -19,6 +19,10 @@ class QueueFull(EngineError):
     """The waiting queue is at `max_num_waiting` (HTTP 429)."""
 
 
+class CapacityExceeded(EngineError):
+    """An admitted request can no longer fit the KV cache (pins took the room meanwhile) (HTTP 429)."""
+
+
 class PinCapExceeded(EngineError):
     """Pinning would exceed the pinned-block cap; nothing was pinned (HTTP 507)."""
 

@@ -12,8 +12,10 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.llm_engine import EngineStats, LLMEngine, PinnedPrefix
-from engine.sequence import CompletionOutput, RequestOutput, SamplingParams
+from engine.core import EngineStats
+from engine.llm_engine import LLMEngine
+from engine.outputs import PinnedPrefix, RequestOutput
+from engine.sequence import SamplingParams
 
 Prompt = str | list[int]
 
@@ -47,7 +49,8 @@ class LLM:
         bar = tqdm(total=len(plist), disable=not use_tqdm, desc="generate")
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                acc[out.request_id] = _merge(acc.get(out.request_id), out)
+                prev = acc.get(out.request_id)
+                acc[out.request_id] = out.copy() if prev is None else prev.merge(out)
                 if out.finished:
                     bar.update(1)
         bar.close()
@@ -61,29 +64,3 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
-
-
-def _merge(prev: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Accumulates streamed deltas into one cumulative output per request."""
-    if prev is None:
-        return RequestOutput(delta.request_id, delta.prompt_token_ids,
-                             [CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason,
-                                               o.cumulative_logprob, list(o.logprobs) if o.logprobs else o.logprobs)
-                              for o in delta.outputs],
-                             delta.finished, delta.num_cached_tokens)
-    by_index = {o.index: o for o in prev.outputs}
-    for o in delta.outputs:
-        cur = by_index.get(o.index)
-        if cur is None:
-            prev.outputs.append(CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason,
-                                                 o.stop_reason, o.cumulative_logprob, o.logprobs))
-            continue
-        cur.text += o.text
-        cur.token_ids.extend(o.token_ids)
-        cur.finish_reason, cur.stop_reason, cur.cumulative_logprob = o.finish_reason, o.stop_reason, o.cumulative_logprob
-        if o.logprobs:
-            cur.logprobs = (cur.logprobs or []) + o.logprobs
-    prev.outputs.sort(key=lambda o: o.index)
-    prev.finished = delta.finished
-    prev.num_cached_tokens = delta.num_cached_tokens
-    return prev

@@ -1,17 +1,18 @@
-"""SamplingParams, the per-request state the scheduler moves around, and the outputs handed back."""
+"""SamplingParams, a checked EngineRequest, and the per-request state the scheduler moves around
+(Sequence, SequenceGroup). Outputs handed back live in engine/outputs.py."""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import InvalidRequest
+from engine.errors import EngineError, InvalidRequest
 
 if TYPE_CHECKING:
     import torch
 
     from engine.beam_search import BeamSearch
-    from engine.detokenizer import IncrementalDetokenizer
+    from engine.outputs import RequestTimes
 
 
 @dataclass
@@ -73,31 +74,16 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class CompletionOutput:
-    """One generated sequence. In streams, `text` and `token_ids` are the delta since the last yield."""
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request that passed the checks on fixed inputs (`EngineCore.make_request`): what the engine
+    thread admits, or refuses if the cache cannot hold it."""
 
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None    # "stop" | "length" | "abort" | None while running
-    stop_reason: str | int | None = None
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] | None = None
-
-
-@dataclass
-class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
-    error: str | None = None            # set when the engine had to end the request itself
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    params: SamplingParams
+    max_tokens: int                     # resolved: never None
+    arrival: float                      # time.monotonic() when made
 
 
 class Sequence:
@@ -125,13 +111,10 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        self.pin_on_finish = False            # a prefix computed to be pinned (engine.pin_prefix)
         self.group: SequenceGroup | None = None
         self.index = 0                        # output index within its request
         self.pending_logprobs: torch.Tensor | None = None  # beam search: next-token log-probs awaiting siblings
-        self.detokenizer: IncrementalDetokenizer | None = None   # set by the engine (not for beams)
         self.generator: torch.Generator | None = None            # set by the engine
-        self.error: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -166,13 +149,19 @@ class SequenceGroup:
     group's running sequences; `beam` holds the search state (engine/beam_search.py).
     """
 
-    def __init__(self, request_id: str, params: SamplingParams, first: Sequence) -> None:
-        self.request_id = request_id
-        self.params = params
+    def __init__(self, request: EngineRequest, first: Sequence, times: RequestTimes) -> None:
+        self.request_id = request.request_id
+        self.params = request.params
+        self.max_tokens = request.max_tokens
+        self.prompt_token_ids = request.prompt_token_ids
+        self.first = first                    # sequence 0: computes the prompt, knows its cache hit
         self.seqs: list[Sequence] = [first]   # every sequence ever in the group (beams: the live ones)
         self.forked = False
         self.beam: BeamSearch | None = None   # set when params.use_beam_search
-        self.error: str | None = None
+        self.ended = False                    # aborted or failed: finished whatever its sequences say
+        self.error: EngineError | None = None  # why the engine ended it, when it did
+        self.times = times
+        self.num_generated_tokens = 0         # tokens sampled for any of its sequences
         first.group = self
 
     @property
@@ -186,6 +175,8 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
+        if self.ended:
+            return True
         if self.beam is not None:
             return self.beam.done
         return all(s.finished for s in self.seqs) and (self.forked or self.best_of == 1)

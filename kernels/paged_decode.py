@@ -141,7 +141,7 @@ def paged_decode_reduce_kernel(
     d_mask = offs_d < HEAD_DIM
 
     m = tl.load(PART_MAX + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))   # [SPLITS_PAD]
-    l = tl.load(PART_SUM + row * NUM_SPLITS + offs_s, mask=s_mask, other=0.0)
+    sums = tl.load(PART_SUM + row * NUM_SPLITS + offs_s, mask=s_mask, other=0.0)
     acc = tl.load(PART_ACC + (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)                       # [SPLITS_PAD, HEAD_DIM_PAD]
 
@@ -149,13 +149,13 @@ def paged_decode_reduce_kernel(
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)   # every split empty: weights all 0 below
     # NOTE: an empty split has m = -inf; give it weight 0 explicitly rather than trusting exp2(-inf).
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-    denom = tl.sum(w * l, axis=0)
+    denom = tl.sum(w * sums, axis=0)
     denom = tl.where(denom == 0.0, 1.0, denom)
     out = tl.sum(w[:, None] * acc, axis=0) / denom                                          # [HEAD_DIM_PAD]
     tl.store(OUT + seq * stride_o_seq + head * stride_o_head + offs_d, out.to(OUT.dtype.element_ty), mask=d_mask)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -45,7 +45,8 @@ class TorchAttentionBackend:
         num_kv_heads = key_cache.shape[2]
         slots, mask = _decode_gather(md, key_cache.shape[1])
         k = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(num_seqs, -1, num_kv_heads, head_dim)
-        v = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(num_seqs, -1, num_kv_heads, head_dim)
+        v = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(
+            num_seqs, -1, num_kv_heads, head_dim)
         # The query heads of one KV head form that head's "query rows": q [S, Hkv, G, D] vs k [S, Hkv, L, D].
         qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from engine.config import EngineConfig
-from service import chat, completions, openapi, prefixes, status, websocket
 from prefix_store import MemoryPrefixStore, PrefixStore, StoreUnavailable
+from service import chat, completions, openapi, prefixes, status, websocket
 from service.config import ServiceConfig
-from service.registry import PrefixRegistry
 from service.errors import error_middleware
 from service.metrics import METRICS, Metrics, metrics_middleware
+from service.registry import PrefixRegistry
 from service.state import STATE, ServiceState
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _load(state: ServiceState) -> None:
-    config = state.config.engine_config()
+    config = state.config.engine
     try:
         engine = await asyncio.get_running_loop().run_in_executor(None, _build_engine, config)
         await engine.start()
@@ -85,7 +85,8 @@ async def _load(state: ServiceState) -> None:
         state.load_error = f"{type(exc).__name__}: {exc}"
         return
     # Warm every registered prefix before /health says ready (the registry pins through the engine).
-    registry = PrefixRegistry(await _open_store(state.config), engine, address=f"{state.config.host}:{state.config.port}")
+    address = f"{state.config.host}:{state.config.port}"
+    registry = PrefixRegistry(await _open_store(state.config), engine, address=address)
     await registry.start()
     await registry.ready.wait()
     state.registry = registry
@@ -110,7 +111,7 @@ async def _open_store(config: ServiceConfig) -> PrefixStore:
 
 
 def _build_engine(config: EngineConfig) -> AsyncEngine:
-    from engine.async_engine import AsyncEngine  # torch loads here, off the event loop
+    from engine.async_engine import AsyncEngine  # the model loads here, off the event loop
     return AsyncEngine(config)
 
 

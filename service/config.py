@@ -1,31 +1,29 @@
-"""ServiceConfig: every service knob in one validated dataclass, passed explicitly."""
+"""ServiceConfig: every service knob in one validated dataclass, holding the engine's EngineConfig.
+
+One tree: `ServiceConfig.engine` is the EngineConfig the service builds its engine from. Flags and
+PREFIXSERVE_* variables are generated from both dataclasses' fields (service/flags.py).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, knob
 
 
 @dataclass
 class ServiceConfig:
-    model: str | None = None                 # checkpoint directory; None = built-in demo model
-    host: str = "127.0.0.1"
-    port: int = 8000
-    device: str = "cpu"
-    dtype: str = "float32"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 128
-    max_model_len: int | None = None
-    attention_backend: str | None = None
-    max_num_waiting: int = 1024
-    redis_url: str | None = None             # None: embedded prefix store (wired by the prefix registry)
-    served_model_name: str | None = None     # None: the engine's model name
-    shutdown_timeout: float = 30.0           # SIGTERM: how long running streams may finish before abort
-    keepalive_interval: float = 5.0          # SSE comment after this many idle seconds
-    max_body_bytes: int = 4 * 2**20          # larger request bodies get 413
-    max_choices: int = 128                   # prompts x n per request
-    max_ws_generations: int = 64             # concurrent generations per WebSocket
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = knob("127.0.0.1", "address to listen on")
+    port: int = knob(8000, "port to listen on")
+    redis_url: str | None = knob(None, "Redis for the prefix registry, redis:// rediss:// or unix:// "
+                                       "(default: an embedded store)")
+    served_model_name: str | None = knob(None, "model name in the API (default: the checkpoint's)")
+    shutdown_timeout: float = knob(30.0, "seconds running streams may finish after SIGTERM")
+    keepalive_interval: float = knob(5.0, "SSE comment after this many idle seconds")
+    max_body_bytes: int = knob(4 * 2**20, "larger request bodies get 413")
+    max_choices: int = knob(128, "most prompts x n (and x best_of) per request")
+    max_ws_generations: int = knob(64, "most concurrent generations per WebSocket")
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -44,10 +42,15 @@ class ServiceConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        self.engine_config()  # engine knobs are validated by the engine's own dataclass
 
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
-            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, device=self.device,
-            dtype=self.dtype, attention_backend=self.attention_backend, max_num_waiting=self.max_num_waiting)
+    @classmethod
+    def from_flat(cls, **values: Any) -> ServiceConfig:
+        """A config from one flat set of knobs (`model=..., port=...`): each goes to the dataclass that
+        declares it. Raises TypeError for a name neither declares, ValueError for a bad value."""
+        engine_names = {f.name for f in fields(EngineConfig)}
+        service_names = {f.name for f in fields(cls)} - {"engine"}
+        unknown = set(values) - engine_names - service_names
+        if unknown:
+            raise TypeError(f"unknown config knobs: {sorted(unknown)}")
+        engine = EngineConfig(**{k: v for k, v in values.items() if k in engine_names})
+        return cls(engine=engine, **{k: v for k, v in values.items() if k in service_names})

@@ -8,7 +8,9 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.errors import EngineDead, EngineError, InvalidRequest, PinCapExceeded, QueueFull
+from engine.errors import CapacityExceeded, EngineDead, EngineError, InvalidRequest, PinCapExceeded, QueueFull
+from prefix_store import PrefixConflict, StoreUnavailable
+from service.registry_errors import InvalidPrefix, PrefixNotFound, RegistryError
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +48,29 @@ def from_engine(exc: EngineError) -> ApiError:
     if isinstance(exc, QueueFull):
         return ApiError(429, exc.message, type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, CapacityExceeded):
+        return ApiError(429, exc.message, type="rate_limit_error", code="kv_cache_full",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, PinCapExceeded):
         return ApiError(507, exc.message, type="insufficient_storage", param=exc.param, code="pin_cap_exceeded")
     if isinstance(exc, EngineDead):
         return ApiError(503, exc.message, type="service_unavailable", code="engine_dead")
     return ApiError(500, exc.message, type="internal_error", code="engine_error")
+
+
+def from_registry(exc: RegistryError | PrefixConflict | StoreUnavailable) -> ApiError:
+    """Maps the prefix registry's domain errors to HTTP: 404, 400, 409, 503."""
+    if isinstance(exc, PrefixNotFound):
+        return ApiError(404, exc.message, type="not_found_error", param=exc.param, code="prefix_not_found")
+    if isinstance(exc, InvalidPrefix):
+        return ApiError(400, exc.message, param=exc.param, code="invalid_prefix")
+    if isinstance(exc, PrefixConflict):
+        return ApiError(409, str(exc), type="conflict_error", param="name", code="prefix_conflict")
+    if isinstance(exc, StoreUnavailable):
+        return ApiError(503, f"the prefix store is unavailable ({exc}); registry writes are refused until it is "
+                        "back, generation is not affected", type="service_unavailable",
+                        code="prefix_store_unavailable", headers={"Retry-After": "2"})
+    return ApiError(400, exc.message, param=exc.param)
 
 
 _HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
@@ -65,6 +85,8 @@ async def error_middleware(request: web.Request,
         return exc.response()
     except EngineError as exc:
         return from_engine(exc).response()
+    except (RegistryError, PrefixConflict, StoreUnavailable) as exc:
+        return from_registry(exc).response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -1,11 +1,11 @@
-"""Generation: one API request's engine requests (one per prompt), run concurrently, deltas merged.
+"""Generation: one API request's engine requests (one per prompt), sharing one RequestStream.
 
 Each prompt is ONE engine request carrying the client's n / best_of / beam search: the engine computes
 the prompt once and forks its samples (or beams) from it. Choice `i * n + j` is output j of prompt i
 (the OpenAI order). With best_of > n or beam search the engine streams nothing until the end and then
-hands back the n best, whole. Each engine request is drained by a pump task into one queue; closing
-the Generation cancels the pumps, and leaving `AsyncEngine.generate` early aborts the request, so its KV
-blocks (every fork's) are freed at the start of the next engine step.
+hands back the n best, whole. Merging of a lagging consumer's deltas happens in the stream
+(RequestOutput.merge); this class only turns outputs into choices. Closing the Generation aborts every
+request that has not finished, so their KV blocks (every fork's) are freed at the next engine step.
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import EngineError
-from engine.sequence import RequestOutput, SamplingParams
+from engine.outputs import RequestOutput
+from engine.sequence import SamplingParams
 from service.metrics import Metrics
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine.async_engine import AsyncEngine, RequestStream
 
 
 @dataclass
@@ -56,101 +56,82 @@ class Generation:
         self._engine = engine
         self._params = params
         self._metrics = metrics
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | EngineError]] = asyncio.Queue()
-        self._pumps: list[asyncio.Task[None]] = []
-        self._refused: dict[int, EngineError] = {}
-        self._open = len(prompts)                # engine requests not yet finished
-        self._finished: set[int] = set()         # choices whose finish_reason went out
-        self._on_finish = on_finish              # called once, when every request has finished
+        self._stream: RequestStream | None = None
+        self._prompt_of: dict[str, int] = {}      # engine request id -> prompt index
+        self._open = len(prompts)                 # engine requests not yet finished
+        self._finished: set[int] = set()          # choices whose finish_reason went out
+        self._started: set[int] = set()           # prompts whose first token went out
+        self._on_finish = on_finish               # called once, when every request has finished
 
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
     async def start(self) -> None:
-        """Submits every engine request; raises the first refusal (the others are then aborted)."""
+        """Submits every engine request and waits until the engine admitted them all; raises the first
+        refusal (the others are then aborted)."""
         for i, ids in enumerate(self.prompts):
-            gen = self._engine.generate(ids, self._params, request_id=f"{self.id}-{i}")
-            self._pumps.append(asyncio.create_task(self._pump(i, gen)))
-        # NOTE: a pump's first step runs generate() up to its first await, which is where the engine
-        # validates and enqueues (or refuses) the request. Tasks start in creation order, so after one
-        # yield every pump has been admitted or refused.
-        await asyncio.sleep(0)
-        if self._refused:
-            await self.aclose()
-            raise self._refused[min(self._refused)]
-
-    async def _pump(self, prompt: int, gen: AsyncIterator[RequestOutput]) -> None:
-        t0 = time.perf_counter()
-        first: float | None = None
-        tokens: dict[int, int] = {}              # output index -> tokens so far
+            rid = f"{self.id}-{i}"
+            self._stream = self._engine.add(ids, self._params, request_id=rid, stream=self._stream)
+            self._prompt_of[rid] = i
+        assert self._stream is not None
         try:
-            async for out in gen:
-                for o in out.outputs:
-                    if o.token_ids and first is None:
-                        first = time.perf_counter()
-                        self._metrics.ttft.observe(first - t0)
-                    tokens[o.index] = tokens.get(o.index, 0) + len(o.token_ids)
-                self._queue.put_nowait((prompt, out))
-        except EngineError as exc:
-            if first is None and not tokens:
-                self._refused[prompt] = exc
-            self._queue.put_nowait((prompt, exc))
-            return
-        # per-sequence latency: the longest output stands for the request
-        self._metrics.finished(time.perf_counter() - t0, first - t0 if first is not None else None,
-                               max(tokens.values(), default=0))
+            await self._stream.accepted()
+        except BaseException:
+            self.close()
+            raise
 
     async def events(self, keepalive: float | None = None) -> AsyncIterator[ChoiceDelta | None]:
         """Deltas as they come; None after `keepalive` idle seconds. Raises EngineError if one fails."""
+        assert self._stream is not None, "start() first"
         while self._open:
             try:
                 async with asyncio.timeout(keepalive):
-                    prompt, out = await self._queue.get()
+                    outs = await self._stream.get()
             except TimeoutError:
                 yield None
                 continue
-            if isinstance(out, EngineError):
-                raise out
-            if out.error is not None:
-                raise EngineError(out.error)
-            deltas = []
-            for o in out.outputs:
-                index = prompt * self.n + o.index
-                if index in self._finished or o.index >= self.n:
-                    continue
-                self.usage.completion_tokens += len(o.token_ids)
-                if o.finish_reason is not None:
-                    self._finished.add(index)
-                deltas.append(ChoiceDelta(index, o.text, list(o.token_ids), o.finish_reason,
-                                          list(o.logprobs) if o.logprobs is not None else None))
-            if out.finished:
-                self._open -= 1
-                self.usage.cached_tokens += out.num_cached_tokens
-                for j in range(self.n):          # every choice of a finished request ends, told or not
-                    if prompt * self.n + j not in self._finished:
-                        self._finished.add(prompt * self.n + j)
-                        deltas.append(ChoiceDelta(prompt * self.n + j, "", [], "abort"))
-                if self._open == 0 and self._on_finish is not None:
-                    self._on_finish(self.usage)
-            for d in deltas:
-                yield d
+            for out in outs:
+                for d in self._deltas(out):
+                    yield d
+
+    def _deltas(self, out: RequestOutput) -> list[ChoiceDelta]:
+        prompt = self._prompt_of[out.request_id]
+        if prompt not in self._started and out.num_generated_tokens:
+            self._started.add(prompt)
+            self._metrics.first_token(out)
+        deltas = []
+        for o in out.outputs:
+            index = prompt * self.n + o.index
+            if index in self._finished or o.index >= self.n:
+                continue
+            self.usage.completion_tokens += len(o.token_ids)
+            if o.finish_reason is not None:
+                self._finished.add(index)
+            deltas.append(ChoiceDelta(index, o.text, list(o.token_ids), o.finish_reason,
+                                      list(o.logprobs) if o.logprobs is not None else None))
+        if out.finished:
+            self._open -= 1
+            self.usage.cached_tokens += out.num_cached_tokens
+            self._metrics.request_finished(out, self._params.best_of or self.n)
+            for j in range(self.n):          # every choice of a finished request ends, told or not
+                if prompt * self.n + j not in self._finished:
+                    self._finished.add(prompt * self.n + j)
+                    deltas.append(ChoiceDelta(prompt * self.n + j, "", [], "abort"))
+            if self._open == 0 and self._on_finish is not None:
+                self._on_finish(self.usage)
+        return deltas
 
     async def collect(self) -> list[ChoiceDelta]:
-        """Runs to the end; one accumulated ChoiceDelta per choice, index ordered."""
+        """Runs to the end; one whole ChoiceDelta per choice, index ordered (the stream merged them)."""
+        assert self._stream is not None, "start() first"
         acc = [ChoiceDelta(i, "", [], None) for i in range(self.num_choices)]
-        async for d in self.events():
-            assert d is not None
-            c = acc[d.index]
-            c.text += d.text
-            c.token_ids.extend(d.token_ids)
-            c.finish_reason = d.finish_reason or c.finish_reason
-            if d.logprobs is not None:
-                c.logprobs = (c.logprobs or []) + d.logprobs
+        for out in await self._stream.final():
+            for d in self._deltas(out):
+                acc[d.index] = d
         return acc
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
         """Aborts whatever still runs (idempotent)."""
-        for t in self._pumps:
-            t.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
+        if self._stream is not None:
+            self._stream.abort()

@@ -12,7 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.llm_engine import EngineStats
+from engine.core import EngineStats
+from engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -69,11 +70,23 @@ class Metrics:
         self.prefix_hits.labels(name).inc(hit)
         self.prefix_saved.labels(name).inc(tokens_saved)
 
-    def finished(self, e2e: float, ttft: float | None, num_tokens: int) -> None:
-        """One engine request ran to its end (not aborted by its client)."""
-        self.e2e.observe(e2e)
-        if ttft is not None and num_tokens > 1:
-            self.tpot.observe((e2e - ttft) / (num_tokens - 1))
+    def first_token(self, out: RequestOutput) -> None:
+        """A request's first output with tokens reached its consumer (aborted requests count too)."""
+        if out.times is not None and out.times.first_token is not None:
+            self.ttft.observe(out.times.first_token - out.times.arrival)
+
+    def request_finished(self, out: RequestOutput, num_seqs: int) -> None:
+        """One engine request ended (not aborted by its client): latencies from the engine's own
+        timestamps. TPOT is per sequence: a request of best_of samples or beams made best_of tokens a step."""
+        t = out.times
+        if t is None or t.finished is None:
+            return
+        self.e2e.observe(t.finished - t.arrival)
+        if t.first_token is None:
+            return
+        per_seq = out.num_generated_tokens // max(1, num_seqs)
+        if per_seq > 1:
+            self.tpot.observe((t.finished - t.first_token) / (per_seq - 1))
 
     def render(self) -> web.Response:
         resp = web.Response(body=generate_latest(self.registry))

@@ -10,6 +10,7 @@ from service.protocol import clean_messages, encode_prompt, read_json, render_me
 from service.registry import NAME_RE, PrefixRegistry
 from service.state import STATE
 
+
 def _registry(request: web.Request) -> PrefixRegistry:
     state = request.app[STATE]
     state.ready_engine()                       # 503 while warming, like every engine-backed endpoint

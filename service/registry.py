@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.async_engine import AsyncEngine
-from engine.errors import EngineError, PinCapExceeded
+from engine.errors import EngineError
 from prefix_store import PrefixConflict, PrefixRecord, PrefixStore, ReplicaInfo, StoreUnavailable
-from service.errors import ApiError
+from service.registry_errors import InvalidPrefix, PrefixNotFound
 
 log = logging.getLogger(__name__)
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -32,12 +32,6 @@ class LocalPrefix:
     pinned_blocks: int = 0
     hit_requests: int = 0
     tokens_saved: int = 0
-
-
-def _store_down(exc: Exception) -> ApiError:
-    return ApiError(503, f"the prefix store is unavailable ({exc}); registry writes are refused until it is "
-                    "back, generation is not affected", type="service_unavailable", code="prefix_store_unavailable",
-                    headers={"Retry-After": "2"})
 
 
 class PrefixRegistry:
@@ -125,14 +119,15 @@ class PrefixRegistry:
             if kind == "deleted":
                 await self._unpin_local(name)
                 return
-            if name in self.local:
-                return
             try:
                 record = await self.store.get(self.fingerprint, name)
             except StoreUnavailable:
                 return
-            if record is not None:
-                await self._pin_local(record)
+            entry = self.local.get(name)
+            if record is None or entry is None or not entry.record.same_content(record):
+                await self._unpin_local(name)           # gone, or replaced by other content
+                if record is not None:
+                    await self._pin_local(record)
 
     async def _pin_local(self, record: PrefixRecord) -> None:
         try:
@@ -150,62 +145,65 @@ class PrefixRegistry:
     # -- API operations -----------------------------------------------------------------------
     async def register(self, name: str, token_ids: list[int], source: dict[str, Any],
                        description: str | None) -> tuple[PrefixRecord, bool]:
-        """Pins then records. Returns (record, created). Raises ApiError 409 / 503 / 507."""
+        """Pins then records. Returns (record, created). Raises InvalidPrefix, PrefixConflict,
+        StoreUnavailable or the engine's PinCapExceeded.
+
+        The work runs as its own task: a caller that goes away (a cancelled HTTP handler) does not cut
+        it between the pin and the record, so the pinned set and the store never disagree for it."""
         if not token_ids:
-            raise ApiError(400, "the prefix must contain at least one token", param="prompt")
+            raise InvalidPrefix("the prefix must contain at least one token", param="prompt")
         if len(token_ids) >= self.engine.max_model_len:
-            raise ApiError(400, f"the prefix has {len(token_ids)} tokens; the model's maximum context length is "
-                           f"{self.engine.max_model_len}", param="prompt")
-        record = PrefixRecord(name=name, fingerprint=self.fingerprint, token_ids=list(token_ids), source=source,
-                              block_hashes=self.engine.prefix_block_hashes(token_ids),
-                              tokenizer_version=self.engine.tokenizer_version, description=description,
-                              created_at=time.time())
+            raise InvalidPrefix(f"the prefix has {len(token_ids)} tokens; the model's maximum context length is "
+                                f"{self.engine.max_model_len}", param="prompt")
+        task = asyncio.create_task(self._register(name, list(token_ids), source, description))
+        return await asyncio.shield(task)
+
+    async def _register(self, name: str, token_ids: list[int], source: dict[str, Any],
+                        description: str | None) -> tuple[PrefixRecord, bool]:
         async with self._lock:
-            try:
-                existing = await self.store.get(self.fingerprint, name)
-            except StoreUnavailable as exc:
-                raise _store_down(exc) from exc
-            if existing is not None and not existing.same_content(record):
-                raise ApiError(409, f"prefix {name!r} is already registered with different content; delete it "
-                               "first to replace it", type="conflict_error", param="name", code="prefix_conflict")
-            newly_pinned = name not in self.local
-            if newly_pinned:
-                try:
-                    pinned = await self.engine.pin_prefix(record.token_ids)
-                except PinCapExceeded as exc:
-                    raise ApiError(507, exc.message, type="insufficient_storage", param="prompt",
-                                   code="pinned_cap_exceeded") from exc
-                self.local[name] = LocalPrefix(record, pinned.num_pinned_blocks)
+            existing = await self.store.get(self.fingerprint, name)
+            if existing is not None and existing.token_ids != token_ids:
+                raise PrefixConflict(existing)
+            entry = self.local.get(name)
+            stale = entry is not None and entry.record.token_ids != token_ids   # a view the store no longer has
+            pinned = None
+            if entry is None or stale:
+                pinned = await self.engine.pin_prefix(token_ids)                 # the pins are ours from here
+            record = PrefixRecord(name=name, fingerprint=self.fingerprint, token_ids=token_ids, source=source,
+                                  block_hashes=pinned.block_hashes if pinned else entry.record.block_hashes,  # type: ignore[union-attr]
+                                  tokenizer_version=self.engine.tokenizer_version, description=description,
+                                  created_at=time.time())
             try:
                 stored, created = await self.store.put(record, origin=self.replica_id)
-            except PrefixConflict as exc:       # another replica won the race with other content
-                if newly_pinned:
+            except BaseException:
+                if pinned is not None:
+                    await self.engine.unpin_prefix(token_ids)
+                raise
+            if pinned is not None:
+                if stale:
                     await self._unpin_local(name)
-                raise ApiError(409, str(exc), type="conflict_error", param="name", code="prefix_conflict") from exc
-            except StoreUnavailable as exc:
-                if newly_pinned:
-                    await self._unpin_local(name)
-                raise _store_down(exc) from exc
-            self.local[name].record = stored
+                self.local[name] = LocalPrefix(stored, pinned.num_pinned_blocks)
+            else:
+                self.local[name].record = stored
             return stored, created
 
     async def delete(self, name: str) -> None:
+        """Raises PrefixNotFound or StoreUnavailable."""
+        task = asyncio.create_task(self._delete(name))
+        await asyncio.shield(task)
+
+    async def _delete(self, name: str) -> None:
         async with self._lock:
-            try:
-                deleted = await self.store.delete(self.fingerprint, name, origin=self.replica_id)
-            except StoreUnavailable as exc:
-                raise _store_down(exc) from exc
+            deleted = await self.store.delete(self.fingerprint, name, origin=self.replica_id)
             present = name in self.local
             await self._unpin_local(name)
         if not deleted and not present:
-            raise ApiError(404, f"prefix {name!r} is not registered", type="not_found_error", param="name",
-                           code="prefix_not_found")
+            raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
 
     def resolve(self, name: str) -> list[int]:
         entry = self.local.get(name)
         if entry is None:
-            raise ApiError(404, f"prefix {name!r} is not registered", type="not_found_error", param="prefix",
-                           code="prefix_not_found")
+            raise PrefixNotFound(f"prefix {name!r} is not registered", param="prefix")
         return entry.record.token_ids
 
     def record_use(self, name: str, cached_tokens: int) -> tuple[int, int]:
@@ -250,6 +248,5 @@ class PrefixRegistry:
             except StoreUnavailable:
                 record = None
         if record is None:
-            raise ApiError(404, f"prefix {name!r} is not registered", type="not_found_error", param="name",
-                           code="prefix_not_found")
+            raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
         return self.describe(entry, record, loaded=entry is not None)

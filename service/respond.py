@@ -34,4 +34,4 @@ async def respond(request: web.Request, prompts: list[list[int]], req: Generatio
         choices = await gen.collect()
         return web.json_response({**body(gen, choices), "usage": gen.usage.as_dict()})
     finally:
-        await gen.aclose()
+        gen.close()

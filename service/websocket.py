@@ -28,8 +28,8 @@ from service.errors import ApiError, from_engine, invalid
 from service.generation import Generation
 from service.logprobs import chat_logprobs
 from service.metrics import METRICS
-from service.protocol import check_choices, check_model, parse_json, parse_messages, parse_prompts, parse_request
 from service.prefix_hook import on_prefix_use, with_prefix
+from service.protocol import check_choices, check_model, parse_json, parse_messages, parse_prompts, parse_request
 from service.state import STATE
 
 
@@ -94,7 +94,8 @@ class Session:
         check_model(body, self.state.model_name)
         chat = "messages" in body
         req = parse_request(body, chat=chat, max_choices=self.state.config.max_choices)
-        prompts = [parse_messages(body["messages"], engine.tokenizer)] if chat else parse_prompts(body, engine.tokenizer)
+        tokenizer = engine.tokenizer
+        prompts = [parse_messages(body["messages"], tokenizer)] if chat else parse_prompts(body, tokenizer)
         check_choices(len(prompts), req.params, self.state.config.max_choices)
         prompts = with_prefix(self.request.app, req.prefix, prompts)
         gen = Generation(engine, prompts, req.params, self.request.app[METRICS],
@@ -125,7 +126,7 @@ class Session:
         except ConnectionError:
             pass  # the peer went away mid-send; the finally aborts
         finally:
-            await gen.aclose()
+            gen.close()
             self.tasks.pop(key, None)
             self.cancelled.discard(key)
             if self.draining and not self.tasks:

@@ -64,8 +64,14 @@ def build_checkpoint(out_dir: Path, architecture: str = "llama", *, hidden_size:
                      rope_parameters: dict | None = None, corpus: list[str] | None = None) -> Path:
     """Writes a random-weight HF checkpoint (safetensors) plus a trained tokenizer into out_dir."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out_dir, vocab_size, corpus or demo_corpus())

@@ -40,7 +40,8 @@ def resolve_model_path(model: str) -> Path:
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
     except Exception as exc:  # no network, unknown id, ...
-        raise FileNotFoundError(f"{model!r} is neither a local checkpoint directory nor a reachable hub id: {exc}") from exc
+        raise FileNotFoundError(
+            f"{model!r} is neither a local checkpoint directory nor a reachable hub id: {exc}") from exc
 
 
 def _weight_files(path: Path) -> list[Path]:

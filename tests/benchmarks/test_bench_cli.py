@@ -32,7 +32,8 @@ def test_memory_through_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert res["max_batch_paged"] > res["max_batch_contiguous"] == 8192 // memory.MAX_MODEL_LEN
     saved = json.loads((tmp_path / "memory.json").read_text())
     assert saved["result"] == res and saved["png"] == "memory.png"
-    assert saved["command"] == "prefixserve bench memory --quick --num-requests 40 --memory-tokens 8192 --out " + str(tmp_path)
+    command = "prefixserve bench memory --quick --num-requests 40 --memory-tokens 8192 --out " + str(tmp_path)
+    assert saved["command"] == command
     assert saved["machine"]["torch"] and "device" in saved["machine"]
     assert "![memory](memory.png)" in (tmp_path / "memory.md").read_text()
 

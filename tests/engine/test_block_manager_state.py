@@ -67,11 +67,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(target=pins, toks=st.lists(st.integers(0, 2), min_size=B, max_size=3 * B))
     def pin(self, toks: list[int]) -> list[int]:
-        if self.mgr.cached_prefix_blocks(toks) is None:
+        blocks = self.mgr.cached_blocks(toks)
+        if any(b is None for b in blocks):
             return []
         before = [b.pin_count for b in self.pool.blocks]
         try:
-            self.mgr.pin(toks)
+            self.pool.pin(blocks)
         except PinCapError:
             assert [b.pin_count for b in self.pool.blocks] == before  # refused whole
             return []
@@ -81,7 +82,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(toks=consumes(pins))
     def unpin(self, toks: list[int]) -> None:
         if toks and toks in self.pinned:
-            assert self.mgr.unpin(toks) == len(toks) // B
+            blocks = self.mgr.cached_blocks(toks)
+            assert len(blocks) == len(toks) // B and all(b is not None and b.pin_count > 0 for b in blocks)
+            self.pool.unpin(blocks)
             self.pinned.remove(toks)
 
     @rule(n=st.integers(1, 6))

@@ -1,14 +1,12 @@
-"""Engine behaviour on a tiny checkpoint: pins under pressure, refusals, aborts, seeds, stop strings, the
-scheduler's budgets and the async engine's streaming and cancellation."""
+"""Engine behaviour on a tiny checkpoint: pins under pressure, refusals, aborts, seeds, stop strings."""
 from __future__ import annotations
 
-import asyncio
 import random
 from pathlib import Path
 
 import pytest
 
-from engine import LLM, AsyncEngine, EngineConfig, InvalidRequest, PinCapExceeded, SamplingParams
+from engine import LLM, EngineConfig, InvalidRequest, PinCapExceeded, SamplingParams
 from engine.llm_engine import LLMEngine
 
 
@@ -32,7 +30,7 @@ def test_pinned_prefix_survives_pressure_unpinned_one_is_evicted(tiny_llama_dir:
     assert stats.kv_blocks_used == stats.kv_blocks_pinned == 4
     assert llm.unpin_prefix(pinned) == 4
     assert llm.stats().kv_blocks_pinned == 0 and llm.stats().kv_blocks_used == 0
-    assert not llm.engine.requests                                           # the pin request is gone too
+    assert not llm.engine.request_ids                                           # the pin request is gone too
 
 
 def test_pin_over_cap_refused_whole(tiny_llama_dir: Path) -> None:
@@ -99,89 +97,3 @@ def test_stop_string_cut_and_deltas_match_text(tiny_llama_dir: Path) -> None:
     cut = llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[:text.index(stop)]
-
-
-def test_chunked_prefill_respects_token_budget_and_decodes_go_first(tiny_llama_dir: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=256,
-                                    max_num_batched_tokens=16))
-    engine.add_request("short", toks(3, 1), SamplingParams(max_tokens=20, ignore_eos=True))
-    engine.step()                                                   # short prefilled, now decoding
-    engine.add_request("long", toks(50, 2), SamplingParams(max_tokens=2, ignore_eos=True))
-    for _ in range(4):
-        sched = engine.scheduler.schedule()
-        assert sched.num_tokens <= 16
-        assert sched.scheduled[0].seq.request_id == "short" and sched.scheduled[0].num_new == 1
-        long = engine.requests["long"].seqs[0]
-        assert sched.scheduled[1].seq is long and sched.scheduled[1].num_new == min(15, 50 - long.num_computed)
-        tables = [engine.manager.block_table(s.seq.seq_id) for s in sched.scheduled]
-        engine.runner.execute(sched.scheduled, tables, sched.copies)
-        engine.scheduler.update(sched)
-        for s in sched.scheduled:
-            if s.sample:
-                s.seq.token_ids.append(5)
-    assert engine.requests["long"].seqs[0].num_computed == 50                 # 15 * 3 + 5 over four steps
-
-
-async def test_async_engine_streams_and_aborts_within_a_step(tiny_llama_dir: Path) -> None:
-    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
-    await eng.start()
-    try:
-        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-        deltas, ids = [], []
-        async for out in eng.generate(toks(9, 1), params):
-            deltas.append(out.outputs[0].text)
-            ids += out.outputs[0].token_ids
-        assert len(ids) == 10 and "".join(deltas) == eng.tokenizer.decode(ids, skip_special_tokens=True)
-        assert out.finished and out.outputs[0].finish_reason == "length"
-
-        agen = eng.generate(toks(9, 2), SamplingParams(max_tokens=500, ignore_eos=True))
-        async for _ in agen:
-            break
-        await agen.aclose()
-        for _ in range(50):
-            if eng.stats().kv_blocks_used == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert eng.stats().kv_blocks_used == 0 and eng.stats().requests_running == 0
-
-        with pytest.raises(InvalidRequest):
-            async for _ in eng.generate([], params):
-                pass
-        # many at once, all finish
-        async def one(i: int) -> int:
-            n = 0
-            async for o in eng.generate(toks(5 + i, i), SamplingParams(max_tokens=5 + i, ignore_eos=True)):
-                n += len(o.outputs[0].token_ids)
-            return n
-        assert await asyncio.gather(*(one(i) for i in range(8))) == [5 + i for i in range(8)]
-    finally:
-        await eng.shutdown()
-
-
-async def test_a_failed_step_fails_its_requests_not_the_engine(tiny_llama_dir: Path) -> None:
-    from engine.errors import EngineError
-
-    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
-    await eng.start()
-    real = eng.core.runner.execute
-    calls = {"n": 0}
-
-    def flaky(*args, **kwargs):  # fault injection: the third forward pass raises
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected device fault")
-        return real(*args, **kwargs)
-
-    eng.core.runner.execute = flaky  # type: ignore[method-assign]
-    try:
-        with pytest.raises(EngineError, match="injected device fault"):
-            async for _ in eng.generate(toks(6, 1), SamplingParams(max_tokens=20, ignore_eos=True)):
-                pass
-        assert eng.is_running
-        n = 0
-        async for out in eng.generate(toks(6, 2), SamplingParams(max_tokens=5, ignore_eos=True)):
-            n += len(out.outputs[0].token_ids)
-        assert n == 5
-        assert eng.stats().kv_blocks_used == 0
-    finally:
-        await eng.shutdown()

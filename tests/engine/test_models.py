@@ -60,7 +60,7 @@ def test_rope_inverse_frequencies_equal_transformers(rope: dict) -> None:
 
 def test_bfloat16_cache_and_weights(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=8, num_kv_blocks=64)
-    assert llm.engine.kv_cache.key.dtype == torch.bfloat16
+    assert llm.engine.core.kv_cache.key.dtype == torch.bfloat16
     assert llm.engine.loaded.model.embed_tokens.weight.dtype == torch.bfloat16
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 6

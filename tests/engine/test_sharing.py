@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
 from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 
 
 def toks(n: int, seed: int) -> list[int]:
@@ -58,11 +58,11 @@ def test_copy_on_write_forks_match_independent_runs(tiny_llama_dir: Path) -> Non
                                                               ignore_eos=True))
     engine.step()                                            # prefill + fork: 4 sequences share blocks
     seqs = list(group.seqs)
-    tables = [engine.manager.block_table(s.seq_id) for s in seqs]
+    tables = [engine.core.manager.block_table(s.seq_id) for s in seqs]
     assert all(t == tables[0] for t in tables)              # full sharing right after the fork
     assert engine.stats().kv_blocks_used == 2
     engine.step()                                            # each writes its first token: CoW
-    tables = [engine.manager.block_table(s.seq_id) for s in seqs]
+    tables = [engine.core.manager.block_table(s.seq_id) for s in seqs]
     assert len({t[0] for t in tables}) == 1                  # the full block stays shared
     assert len({t[1] for t in tables}) == 4                  # the partial block was copied
     while engine.has_unfinished():
@@ -127,8 +127,8 @@ def test_beam_search_block_accounting(tiny_llama_dir: Path, width: int) -> None:
         # every live beam holds the 4 shared prompt blocks plus its own (possibly shared) output blocks;
         # blocks in use never exceed prompt + width * output blocks, and the prompt is counted once
         engine.step()
-        out_blocks = {bid for s in group.seqs for bid in engine.manager.block_table(s.seq_id)[4:]}
-        prompt_blocks = {bid for s in group.seqs for bid in engine.manager.block_table(s.seq_id)[:4]}
+        out_blocks = {bid for s in group.seqs for bid in engine.core.manager.block_table(s.seq_id)[4:]}
+        prompt_blocks = {bid for s in group.seqs for bid in engine.core.manager.block_table(s.seq_id)[:4]}
         assert len(prompt_blocks) == 4
         assert engine.stats().kv_blocks_used == 4 + len(out_blocks)
     while engine.has_unfinished():

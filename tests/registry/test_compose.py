@@ -36,7 +36,7 @@ def test_compose_engine_command_runs(tiny_llama_dir: Path) -> None:
     cmd = compose()["services"]["engine"]["command"][2:]
     args = []
     skip = False
-    for i, a in enumerate(cmd):                          # host and port are the test's; the model is mounted here
+    for a in cmd:                          # host and port are the test's; the model is mounted here
         if skip:
             skip = False
             continue

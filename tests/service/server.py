@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any
-
 import urllib.error
 import urllib.request
+from typing import Any
+
 import uvloop
 from aiohttp import web
 
@@ -67,7 +67,7 @@ class ServerThread:
 def tiny_config(model_dir: Any, **overrides: Any) -> ServiceConfig:
     base: dict[str, Any] = dict(model=str(model_dir), max_model_len=256, num_kv_blocks=512, max_num_seqs=64,
                                 keepalive_interval=5.0, shutdown_timeout=5.0)
-    return ServiceConfig(**{**base, **overrides})
+    return ServiceConfig.from_flat(**{**base, **overrides})
 
 
 def _status(url: str) -> int:

@@ -28,7 +28,8 @@ def test_flags_read_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PREFIXSERVE_NUM_KV_BLOCKS", "64")
     monkeypatch.setenv("PREFIXSERVE_PORT", "9001")
     cfg = config_from(parser().parse_args(["serve", "--port", "9002"]))
-    assert (cfg.redis_url, cfg.num_kv_blocks, cfg.port, cfg.host) == ("redis://cache:6379/0", 64, 9002, "127.0.0.1")
+    got = (cfg.redis_url, cfg.engine.num_kv_blocks, cfg.port, cfg.host)
+    assert got == ("redis://cache:6379/0", 64, 9002, "127.0.0.1")
     monkeypatch.setenv("PREFIXSERVE_BLOCK_SIZE", "0")
     with pytest.raises(SystemExit, match="block_size"):
         from service.cli import main

@@ -1,0 +1,282 @@
+"""EngineCore: tokens in, tokens out.
+
+Owns the model runner, the KV cache, the block pool and manager, the scheduler, the sampler and the
+forks. `step()` schedules one batch, runs the model, samples one token per sampling sequence and applies
+the token-level stop rules (stop token ids, EOS, max_tokens, max_model_len). Text (detokenization, stop
+strings, the choice of the n best) is the output processor's (output_processor.py); pins are the pin
+state machine's (pinning.py); both call back into `finish_seq` and `abort`.
+
+NOTE: not thread-safe. One thread owns a core: the engine thread of AsyncEngine, or the caller of the
+offline API. The one exception is `make_request`, which reads only what never changes after
+construction (config, model shape, cache size), so the event loop may call it.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.errors import CapacityExceeded, EngineError, InvalidRequest, QueueFull
+from engine.forks import Forks
+from engine.kv_cache import KVCache
+from engine.model_runner import ModelRunner
+from engine.models.loader import LoadedModel, load_model
+from engine.outputs import RequestTimes
+from engine.sampler import Sampler, make_generator
+from engine.scheduler import Scheduler
+from engine.sequence import EngineRequest, SamplingParams, Sequence, SequenceGroup
+from kernels import get_backend
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_pinned: int
+    kv_blocks_cached: int
+    kv_blocks_free: int
+    requests_running: int
+    requests_waiting: int
+    preemptions_total: int
+    prefix_cache_queried_tokens_total: int
+    prefix_cache_hit_tokens_total: int
+
+
+@dataclass
+class CoreOutput:
+    """What one step did. `sampled`: sequences that got one new token (the last of their token_ids), in
+    batch order; beams are not listed (their tokens count only when the search ends). `groups`: every
+    request the step touched (sampled, beam-stepped, finished or failed), each once, in first-touch order."""
+
+    sampled: list[Sequence] = field(default_factory=list)
+    groups: list[SequenceGroup] = field(default_factory=list)
+
+    def touch(self, group: SequenceGroup) -> None:
+        if not any(g is group for g in self.groups):
+            self.groups.append(group)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)   # NOTE: process-wide; the engine owns the process's compute
+        if loaded is None:
+            model = config.model
+            if model is None:
+                from engine.models.demo import demo_model_path
+                model = str(demo_model_path())
+            loaded = load_model(model, device=config.device, dtype=config.dtype)
+        self.loaded = loaded
+        args = loaded.args
+        limit = args.max_position_embeddings
+        if args.sliding_window is not None:
+            limit = min(limit, args.sliding_window)  # no sliding-window attention: stay inside one window
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.vocab_size = args.vocab_size
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        dtype = _DTYPES[config.dtype]
+        num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
+            args, config.block_size, dtype, config.kv_cache_memory_gb * 2**30)
+        self.num_blocks_total = num_blocks              # immutable: make_request may read it off-thread
+        self.pool = BlockPool(num_blocks, max_pinned_blocks=int(num_blocks * config.pinned_fraction))
+        self.manager = BlockManager(self.pool, config.block_size, loaded.fingerprint, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.kv_cache = KVCache(args, num_blocks, config.block_size, dtype, config.device)
+        assert config.attention_backend is not None
+        self.runner = ModelRunner(loaded.model, self.kv_cache, get_backend(config.attention_backend), config.device)
+        self.sampler = Sampler()
+        self.forks = Forks(self.manager, self.scheduler, self.new_seq, self.finish_seq)
+        self.requests: dict[str, SequenceGroup] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    # -- requests -----------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
+        """Checks on fixed inputs only (prompt, vocabulary, context length): safe on any thread.
+        Raises InvalidRequest."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt must contain at least one token", param="prompt")
+        if params.use_beam_search and params.stop:
+            raise InvalidRequest("stop strings are not supported with beam search", param="stop")
+        vocab = self.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if n >= self.max_model_len and not (n == self.max_model_len and params.max_tokens == 0):
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n} "
+                "tokens, leaving no room to generate.", param="prompt")
+        max_tokens = self.max_model_len - n if params.max_tokens is None else params.max_tokens
+        if n + max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion).", param="max_tokens")
+        need = self._blocks_needed(n, max_tokens, params)
+        if need > self.num_blocks_total:
+            raise InvalidRequest(f"the request needs {need} KV blocks but the cache has "
+                                 f"{self.num_blocks_total} in all", param="max_tokens")
+        return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens, time.monotonic())
+
+    def _blocks_needed(self, num_prompt: int, max_tokens: int, params: SamplingParams) -> int:
+        # prompt blocks are shared by every sample / beam; each has its own output blocks (+1 for CoW)
+        b = self.config.block_size
+        extra = (params.best_of or 1) - 1
+        return -(-(num_prompt + max_tokens) // b) + extra * (-(-max_tokens // b) + 1)
+
+    def add(self, request: EngineRequest) -> SequenceGroup:
+        """Admits a checked request to the waiting queue. Cache-dependent checks happen here, on the
+        owning thread: raises InvalidRequest (cannot fit beside the pinned blocks) or QueueFull."""
+        rid, prompt = request.request_id, request.prompt_token_ids
+        if rid in self.requests:
+            raise InvalidRequest(f"request id {rid!r} is already in use", param="id")
+        hashes = self.manager.block_hashes(prompt) if self.config.enable_prefix_caching else []
+        need = self._blocks_needed(len(prompt), request.max_tokens, request.params)
+        pinned_hits = 0                       # leading pinned blocks this prompt would reuse
+        if hashes:
+            for block in self.manager.cached_blocks(prompt, hashes[:(len(prompt) - 1) // self.config.block_size]):
+                if block is None or block.pin_count == 0:
+                    break
+                pinned_hits += 1
+        usable = self.pool.num_blocks_total - self.pool.num_pinned + pinned_hits
+        if need > usable:
+            raise InvalidRequest(
+                f"the request needs {need} KV blocks but the cache has {usable} for it "
+                f"({self.pool.num_pinned} of {self.pool.num_blocks_total} are pinned)", param="max_tokens")
+        if len(self.scheduler.waiting) >= self.config.max_num_waiting:
+            raise QueueFull(f"the waiting queue is full ({self.config.max_num_waiting} requests); retry later")
+        seq = self.new_seq(rid, prompt, request.params, request.max_tokens, 0)
+        seq.block_hashes = hashes
+        group = SequenceGroup(request, seq, RequestTimes(arrival=request.arrival))
+        if request.params.use_beam_search:
+            self.forks.start_beam_search(group, self.eos_token_ids)
+        self.requests[rid] = group
+        self.scheduler.add(seq)
+        return group
+
+    def new_seq(self, request_id: str, token_ids: list[int], params: SamplingParams, max_tokens: int, index: int,
+                prompt_len: int | None = None, arrival: float | None = None) -> Sequence:
+        prompt = token_ids[:prompt_len] if prompt_len is not None else token_ids
+        seq = Sequence(next(self._seq_ids), request_id, prompt, params,
+                       next(self._arrivals) if arrival is None else arrival, max_tokens)
+        seq.token_ids = list(token_ids)
+        seq.index = index
+        # sample i of a seeded request draws from its own stream: the same every time
+        seed = None if params.seed is None else params.seed * 1_000_003 + index
+        seq.generator = make_generator(seed, self.config.device)
+        return seq
+
+    def finish_seq(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Ends one sequence (its blocks are freed); the request leaves `requests` once all have ended.
+        A sequence that already ended keeps its reason."""
+        if not seq.finished:
+            self.scheduler.remove(seq)
+            seq.finish_reason = reason
+            if stop_reason is not None:
+                seq.stop_reason = stop_reason
+        group = seq.group
+        if group is not None and group.finished:
+            self._retire(group)
+
+    def abort(self, request_id: str, error: EngineError | None = None) -> SequenceGroup | None:
+        """Ends a whole request (every unfinished sequence with "abort"); None if it is not running."""
+        group = self.requests.get(request_id)
+        if group is None:
+            return None
+        group.ended = True
+        group.error = error or group.error
+        if group.beam is not None:
+            group.beam.done = True
+        for seq in group.seqs:
+            self.finish_seq(seq, "abort")
+        self._retire(group)
+        return group
+
+    def _retire(self, group: SequenceGroup) -> None:
+        if self.requests.pop(group.request_id, None) is not None:
+            group.times.finished = time.monotonic()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self) -> CoreOutput:
+        out = CoreOutput()
+        sched = self.scheduler.schedule()
+        for seq in sched.failed:
+            assert seq.group is not None
+            self.abort(seq.request_id, CapacityExceeded(
+                "the request no longer fits the KV cache beside the pinned prefixes; retry later"))
+            out.touch(seq.group)
+        if not sched.scheduled:
+            return out
+        tables = [self.manager.block_table(s.seq.seq_id) for s in sched.scheduled]
+        logits = self.runner.execute(sched.scheduled, tables, sched.copies)
+        self.scheduler.update(sched)
+        rows: list[int] = []
+        targets: list[Sequence] = []
+        for i, s in enumerate(sched.scheduled):
+            if not s.sample:
+                continue
+            seq, group = s.seq, s.seq.group
+            assert group is not None
+            out.touch(group)
+            if seq.max_tokens == 0:                      # prefill only (a prefix being pinned)
+                self.finish_seq(seq, "length")
+            elif group.beam is not None:
+                seq.pending_logprobs = torch.log_softmax(logits[i].float(), dim=-1)
+            else:
+                family = [seq] + (self.forks.fork_samples(group, seq) if not group.forked and group.best_of > 1 else [])
+                rows += [i] * len(family)
+                targets += family
+        if targets:
+            self._sample(logits[rows], targets)
+            out.sampled = targets
+        for group in out.groups:
+            if group.beam is not None and not group.finished and group.seqs and \
+                    all(s.pending_logprobs is not None for s in group.seqs):
+                self._count_token(group, len(group.seqs))
+                self.forks.beam_step(group)
+        return out
+
+    def _sample(self, logits: torch.Tensor, targets: list[Sequence]) -> None:
+        """One token for each target row; then the token-level stop rules."""
+        gens = [t.generator for t in targets if t.generator is not None]
+        assert len(gens) == len(targets), "every sampled sequence has its generator"
+        res = self.sampler(logits, [t.params for t in targets], gens)
+        for j, seq in enumerate(targets):
+            token = res.token_ids[j]
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += res.logprobs[j]
+            if seq.logprobs is not None and res.top_logprobs is not None:
+                seq.logprobs.append(res.top_logprobs[j])
+            assert seq.group is not None
+            self._count_token(seq.group, 1)
+            self._check_stop(seq, token)
+
+    def _count_token(self, group: SequenceGroup, n: int) -> None:
+        if group.times.first_token is None:
+            group.times.first_token = time.monotonic()
+        group.num_generated_tokens += n
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        if token in params.stop_token_ids:
+            self.finish_seq(seq, "stop", token)
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            self.finish_seq(seq, "stop")
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish_seq(seq, "length")
+
+    def stats(self) -> EngineStats:
+        p = self.pool.stats()
+        s = self.scheduler
+        return EngineStats(p.total, p.used, p.pinned, p.cached, p.free, len(s.running), len(s.waiting),
+                           s.num_preemptions, s.prefix_queried_tokens, s.prefix_hit_tokens)

@@ -1,0 +1,223 @@
+"""AsyncEngine: streaming, aborts, failed steps, thread ownership of the core, cancellation of pins."""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig, InvalidRequest, PinCapExceeded, SamplingParams
+from engine.block_manager import BlockManager
+from engine.block_pool import BlockPool
+from engine.errors import EngineError
+from engine.scheduler import Scheduler
+
+
+def toks(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 380) for _ in range(n)]
+
+
+def watch_threads(obj: Any, seen: set[str]) -> None:
+    """Re-classes `obj` so that every method and property it has records the name of the calling thread."""
+    cls = type(obj)
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            seen.add(threading.current_thread().name)
+            return fn(*args, **kwargs)
+        return inner
+
+    members: dict[str, Any] = {}
+    for name, member in vars(cls).items():
+        if name.startswith("__"):
+            continue
+        if isinstance(member, property) and member.fget is not None:
+            members[name] = property(wrap(member.fget))
+        elif callable(member):
+            members[name] = wrap(member)
+    obj.__class__ = type(f"Watched{cls.__name__}", (cls,), members)
+
+
+def pool_invariants(pool: BlockPool) -> None:
+    queued = set(pool.free_queue.ids())
+    for b in pool.blocks:
+        assert (b.block_id in queued) == (b.ref_count == 0 and b.pin_count == 0), b
+    assert pool.num_pinned == sum(1 for b in pool.blocks if b.pin_count > 0)
+    assert pool.free_queue.size == len(queued)
+
+
+async def test_the_core_is_touched_only_on_the_engine_thread(tiny_llama_dir: Path) -> None:
+    """Many concurrent requests and registrations on a tiny cache: every read or write of the pool, the
+    block manager and the scheduler happens on the engine thread, and the pool's invariants hold after
+    every step. (Before the upper half was reshaped, `generate` ran the cache-dependent checks on the
+    event loop, racing the engine thread.)"""
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=48, max_model_len=128))
+    seen: set[str] = set()
+    core = eng.core
+    for obj in (core.pool, core.manager, core.scheduler):
+        assert isinstance(obj, (BlockPool, BlockManager, Scheduler))
+        watch_threads(obj, seen)
+    step = core.step
+    steps = {"n": 0}
+
+    def checked_step():  # type: ignore[no-untyped-def]
+        out = step()
+        pool_invariants(core.pool)
+        steps["n"] += 1
+        return out
+
+    core.step = checked_step  # type: ignore[method-assign]
+    await eng.start()
+    try:
+        async def one(i: int) -> int:
+            n = 0
+            try:
+                params = SamplingParams(max_tokens=4 + i % 9, ignore_eos=True)
+                async for out in eng.generate(toks(5 + i % 17, i), params):
+                    n += len(out.outputs[0].token_ids)
+            except EngineError:
+                return -1
+            return n
+
+        async def pin_cycle(i: int) -> None:
+            prefix = toks(16, 1000 + i % 3)            # three prefixes, pinned and unpinned concurrently
+            try:
+                await eng.pin_prefix(prefix)
+            except PinCapExceeded:
+                return
+            await asyncio.sleep(0.001 * i)
+            assert await eng.unpin_prefix(prefix) == 4
+
+        results = await asyncio.gather(*(one(i) for i in range(40)), *(pin_cycle(i) for i in range(12)))
+        assert [r for r in results[:40] if r != -1] == [4 + i % 9 for i in range(40) if results[i] != -1]
+        assert sum(r == -1 for r in results[:40]) == 0
+        for _ in range(200):
+            if eng.stats().requests_running == eng.stats().requests_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.stats().kv_blocks_used == eng.stats().kv_blocks_pinned == 0
+    finally:
+        await eng.shutdown()
+    assert steps["n"] > 10
+    assert seen and all(name.startswith("engine-step") for name in seen), seen
+
+
+async def test_pin_cancelled_at_any_point_leaves_nothing_pinned(tiny_llama_dir: Path) -> None:
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
+    await eng.start()
+    try:
+        kept = 0
+        for k in range(30):
+            prefix = toks(40, k % 5)                         # some already cached (pinned at once), some computed
+            task = asyncio.create_task(eng.pin_prefix(prefix))
+            for _ in range(k % 10):
+                await asyncio.sleep(0 if k < 20 else 0.002)
+            task.cancel()
+            try:
+                pinned = await task
+            except asyncio.CancelledError:
+                continue
+            kept += 1                                        # it finished before the cancel: ours to undo
+            assert pinned.num_pinned_blocks == 10
+            assert await eng.unpin_prefix(prefix) == 10
+        for _ in range(200):
+            await eng.unpin_prefix([1])                      # a no-op command: forces a step and fresh stats
+            if eng.stats().kv_blocks_pinned == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.stats().kv_blocks_pinned == 0 and eng.stats().kv_blocks_used == 0
+        assert eng.engine.pins.jobs == {}
+        assert 0 < kept < 30                                 # both sides of the race were exercised
+    finally:
+        await eng.shutdown()
+
+
+def test_abort_before_fork_finishes_the_request(tiny_llama_dir: Path) -> None:
+    from engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=64))
+    group = engine.add_request("b", toks(9, 1), SamplingParams(n=1, best_of=2, max_tokens=5))
+    out = engine.abort("b")
+    assert group.finished and out is not None and out.finished
+    assert not engine.has_unfinished() and engine.stats().kv_blocks_used == 0
+
+
+async def test_cache_dependent_refusals_arrive_through_the_stream(tiny_llama_dir: Path) -> None:
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=20, pinned_fraction=0.6))
+    await eng.start()
+    try:
+        await eng.pin_prefix(toks(48, 7))                    # 12 of 20 blocks pinned
+        stream = eng.add(toks(30, 8), SamplingParams(max_tokens=10))   # 10 blocks: fits the cache, not beside the pins
+        with pytest.raises(InvalidRequest, match="pinned"):
+            await stream.accepted()
+        with pytest.raises(InvalidRequest):                  # fixed-input checks: at once, on the caller's side
+            eng.add(toks(30, 8), SamplingParams(max_tokens=100))
+    finally:
+        await eng.shutdown()
+async def test_async_engine_streams_and_aborts_within_a_step(tiny_llama_dir: Path) -> None:
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
+    await eng.start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        deltas, ids = [], []
+        async for out in eng.generate(toks(9, 1), params):
+            deltas.append(out.outputs[0].text)
+            ids += out.outputs[0].token_ids
+        assert len(ids) == 10 and "".join(deltas) == eng.tokenizer.decode(ids, skip_special_tokens=True)
+        assert out.finished and out.outputs[0].finish_reason == "length"
+
+        agen = eng.generate(toks(9, 2), SamplingParams(max_tokens=500, ignore_eos=True))
+        async for _ in agen:
+            break
+        await agen.aclose()
+        for _ in range(50):
+            if eng.stats().kv_blocks_used == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.stats().kv_blocks_used == 0 and eng.stats().requests_running == 0
+
+        with pytest.raises(InvalidRequest):
+            async for _ in eng.generate([], params):
+                pass
+        # many at once, all finish
+        async def one(i: int) -> int:
+            n = 0
+            async for o in eng.generate(toks(5 + i, i), SamplingParams(max_tokens=5 + i, ignore_eos=True)):
+                n += len(o.outputs[0].token_ids)
+            return n
+        assert await asyncio.gather(*(one(i) for i in range(8))) == [5 + i for i in range(8)]
+    finally:
+        await eng.shutdown()
+
+
+async def test_a_failed_step_fails_its_requests_not_the_engine(tiny_llama_dir: Path) -> None:
+    from engine.errors import EngineError
+
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
+    await eng.start()
+    real = eng.core.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):  # fault injection: the third forward pass raises
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected device fault")
+        return real(*args, **kwargs)
+
+    eng.core.runner.execute = flaky  # type: ignore[method-assign]
+    try:
+        with pytest.raises(EngineError, match="injected device fault"):
+            async for _ in eng.generate(toks(6, 1), SamplingParams(max_tokens=20, ignore_eos=True)):
+                pass
+        assert eng.is_running
+        n = 0
+        async for out in eng.generate(toks(6, 2), SamplingParams(max_tokens=5, ignore_eos=True)):
+            n += len(out.outputs[0].token_ids)
+        assert n == 5
+        assert eng.stats().kv_blocks_used == 0
+    finally:
+        await eng.shutdown()
