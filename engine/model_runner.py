@@ -1,4 +1,4 @@
-"""Builds one flattened batch per step (no padding), runs the model, samples.
+"""Builds one flattened batch per step (no padding), runs the model, and returns the logits of the rows that sample.
 
 Per step the runner builds, with numpy rather than per-token Python loops:
   input_ids [T], positions [T], slot_mapping [T], block_tables [S, max_blocks], seq_lens [S],

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from tests.service.server import ServerThread, tiny_config
+from tests.helpers.server import ServerThread, tiny_config
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,8 @@ import pytest
 import requests
 
 from service.cli import config_from, parser
-from tests.service.server import _status
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.helpers.redis_server import free_port
+from tests.helpers.server import status_of
 
 
 def test_flags_read_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,7 +31,7 @@ def test_flags_read_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_sigterm_lets_streams_finish(tiny_llama_dir: Path) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PREFIXSERVE_SERVED_MODEL_NAME": "tiny-test", "PREFIXSERVE_MAX_MODEL_LEN": "512"}
     proc = subprocess.Popen([sys.executable, "-m", "service", "--model", str(tiny_llama_dir), "--port", str(port),
                              "--shutdown-timeout", "20"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -47,7 +41,7 @@ def test_sigterm_lets_streams_finish(tiny_llama_dir: Path) -> None:
         while True:
             assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
             try:
-                if _status(f"{url}/health") == 200:
+                if status_of(f"{url}/health") == 200:
                     break
             except OSError:
                 pass

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.service.server import ServerThread, tiny_config
+from tests.helpers.server import ServerThread, tiny_config
 
 MSG = [{"role": "user", "content": "hi"}]
 CASES = [

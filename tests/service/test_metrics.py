@@ -8,7 +8,7 @@ import aiohttp
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service.server import ServerThread
+from tests.helpers.server import ServerThread
 
 NAMES = ["prefixserve_kv_blocks_total", "prefixserve_kv_blocks_used", "prefixserve_kv_blocks_pinned",
          "prefixserve_kv_blocks_cached", "prefixserve_requests_running", "prefixserve_requests_waiting",

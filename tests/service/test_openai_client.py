@@ -7,7 +7,7 @@ import torch
 from openai import AsyncOpenAI, OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.service.server import ServerThread
+from tests.helpers.server import ServerThread
 
 PROMPT = "The model reads the prompt and"
 

@@ -19,7 +19,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.service.server import ServerThread
+from tests.helpers.server import ServerThread
 
 PROMPT = "The scheduler admits a request when"
 # log_softmax of float32 logits from two implementations of the same model (different op order):

@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.service.server import ServerThread, tiny_config
+from tests.helpers.server import ServerThread, tiny_config
 
 
 async def _raw(url: str, body: dict) -> tuple[aiohttp.ClientResponse, bytes]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.service.server import ServerThread
+from tests.helpers.server import ServerThread
 
 
 async def _collect(ws: aiohttp.ClientWebSocketResponse, until_done: set[Any]) -> list[dict]:

@@ -7,7 +7,7 @@ import yaml
 
 from service.cli import parser
 from tests.helpers.redis_server import RedisServer
-from tests.helpers.server_process import ROOT, ServerProcess, http
+from tests.helpers.server import ROOT, ServerProcess, http
 
 
 def compose() -> dict:

@@ -15,7 +15,7 @@ import pytest
 from prefix_store import PrefixRecord
 from prefix_store.redis import connect
 from tests.helpers.redis_server import RedisServer
-from tests.helpers.server_process import ServerProcess, http
+from tests.helpers.server import ServerProcess, http
 
 PROMPT = "Shared system prompt: you answer questions about paged attention and KV caches. " * 3
 

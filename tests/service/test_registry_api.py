@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.server_process import http
-from tests.service.server import ServerThread, tiny_config
+from tests.helpers.server import ServerThread, http, tiny_config
 
 SYSTEM = "You are a helpful assistant. Answer briefly and cite the page, the block and the cache. " * 3
 
