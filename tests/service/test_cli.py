@@ -74,3 +74,30 @@ def test_generate_streams_to_terminal(tiny_llama_dir: Path) -> None:
     ref = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64).generate(
         "hello world", SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
     assert ref and out.stdout == ref + "\n"
+
+
+def test_every_config_knob_is_a_flag_and_a_variable(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """One config tree: each field of EngineConfig and ServiceConfig is settable from `serve`, by flag
+    and by PREFIXSERVE_* variable, and lands in the config the service is built from."""
+    import dataclasses
+
+    from engine.config import EngineConfig
+    from service.config import ServiceConfig
+
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for f in [*dataclasses.fields(EngineConfig), *dataclasses.fields(ServiceConfig)[1:]]:
+        assert "--" + f.name.replace("_", "-") in help_text, f.name
+    cfg = config_from(parser().parse_args(["serve", "--max-num-batched-tokens", "77", "--pinned-fraction", "0.25",
+                                           "--no-enable-prefix-caching", "--kv-cache-memory-gb", "0.5"]))
+    assert (cfg.engine.max_num_batched_tokens, cfg.engine.pinned_fraction) == (77, 0.25)
+    assert cfg.engine.enable_prefix_caching is False and cfg.engine.kv_cache_memory_gb == 0.5
+    monkeypatch.setenv("PREFIXSERVE_MAX_NUM_BATCHED_TOKENS", "7")
+    monkeypatch.setenv("PREFIXSERVE_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("PREFIXSERVE_TORCH_THREADS", "none")
+    monkeypatch.setenv("PREFIXSERVE_MAX_WS_GENERATIONS", "3")
+    cfg = config_from(parser().parse_args(["serve"]))
+    assert cfg.engine.max_num_batched_tokens == 7 and cfg.engine.enable_prefix_caching is False
+    assert cfg.engine.torch_threads is None and cfg.max_ws_generations == 3
