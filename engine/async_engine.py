@@ -113,11 +113,13 @@ class RequestStream:
         return self._take()
 
     def abort(self) -> None:
-        """Ends every unfinished request of the stream (idempotent); blocks are freed at the next step."""
+        """Ends every unfinished request of the stream (idempotent); blocks are freed at the next step.
+        A consumer waiting in `get` or `final` wakes up with what had arrived."""
         for rid in self._open:
             self._engine.abort(rid)
         self._engine._forget(self._open)
         self._open.clear()
+        self._ready.set()
 
 
 @dataclass
@@ -139,6 +141,7 @@ class AsyncEngine:
         self.fingerprint = self.engine.fingerprint
         self.tokenizer_version = self.engine.loaded.tokenizer_version
         self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.core.vocab_size
         self.model_name = "prefixserve-demo" if config.model is None else self.engine.loaded.path.name
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}                        # loop side

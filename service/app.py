@@ -17,7 +17,7 @@ from aiohttp import web
 
 from engine.config import EngineConfig
 from prefix_store import MemoryPrefixStore, PrefixStore, StoreUnavailable
-from service import chat, completions, openapi, prefixes, status, websocket
+from service import chat, completions, openapi, prefixes, status, tokens, websocket
 from service.config import ServiceConfig
 from service.errors import error_middleware
 from service.metrics import METRICS, Metrics, metrics_middleware
@@ -43,6 +43,9 @@ def create_app(config: ServiceConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions.create_completion)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
     app.router.add_get("/v1/models", status.list_models)
+    app.router.add_get("/v1/models/{model}", status.get_model)
+    app.router.add_get("/version", status.version)
+    tokens.setup(app)
     app.router.add_get("/health", status.health)
     app.router.add_get("/metrics", status.metrics)
     app.router.add_get("/openapi.json", openapi.handle)
@@ -71,6 +74,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         await state.registry.close()
     if state.engine is not None:
         await state.engine.shutdown()
+    state.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
 
 
 async def _load(state: ServiceState) -> None:

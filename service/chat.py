@@ -7,7 +7,8 @@ from aiohttp import web
 
 from service.generation import ChoiceDelta, Generation
 from service.logprobs import chat_logprobs
-from service.protocol import check_model, parse_messages, parse_request, read_json
+from service.prepare import off_loop, prepare_chat
+from service.protocol import read_body
 from service.respond import respond
 from service.state import STATE
 
@@ -15,11 +16,11 @@ from service.state import STATE
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.ready_engine()
-    body = await read_json(request)
-    check_model(body, state.model_name)
-    req = parse_request(body, chat=True, max_choices=state.config.max_choices)
-    prompt = parse_messages(body.get("messages"), engine.tokenizer)
+    raw = await read_body(request)
     model = state.model_name
+    prepared = await off_loop(state.tokenizer_executor, lambda: prepare_chat(
+        raw, engine.tokenizer, model, state.config.max_choices))
+    req, prompt = prepared.req, prepared.prompts[0]
     started: set[int] = set()      # choices whose first chunk (with the role) went out
     top_k = req.params.logprobs
     tokens = state.token_text() if top_k is not None else None

@@ -7,7 +7,8 @@ from aiohttp import web
 
 from service.generation import ChoiceDelta, Generation
 from service.logprobs import CompletionLogprobs
-from service.protocol import GenerationRequest, check_model, parse_prompts, parse_request, read_json
+from service.prepare import off_loop, prepare_completion
+from service.protocol import GenerationRequest, read_body
 from service.respond import respond
 from service.state import STATE
 
@@ -15,11 +16,11 @@ from service.state import STATE
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.ready_engine()
-    body = await read_json(request)
-    check_model(body, state.model_name)
-    req = parse_request(body, chat=False, max_choices=state.config.max_choices)
-    prompts = parse_prompts(body, engine.tokenizer)
+    raw = await read_body(request)
     model = state.model_name
+    prepared = await off_loop(state.tokenizer_executor, lambda: prepare_completion(
+        raw, engine.tokenizer, model, state.config.max_choices))
+    req, prompts = prepared.req, prepared.prompts
     logprobs = CompletionLogprobs(state.token_text()) if req.params.logprobs is not None else None
 
     def head(gen: Generation) -> dict[str, Any]:

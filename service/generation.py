@@ -62,6 +62,7 @@ class Generation:
         self._finished: set[int] = set()          # choices whose finish_reason went out
         self._started: set[int] = set()           # prompts whose first token went out
         self._on_finish = on_finish               # called once, when every request has finished
+        self._closed = False
 
     @property
     def num_choices(self) -> int:
@@ -84,7 +85,7 @@ class Generation:
     async def events(self, keepalive: float | None = None) -> AsyncIterator[ChoiceDelta | None]:
         """Deltas as they come; None after `keepalive` idle seconds. Raises EngineError if one fails."""
         assert self._stream is not None, "start() first"
-        while self._open:
+        while self._open and not self._closed:
             try:
                 async with asyncio.timeout(keepalive):
                     outs = await self._stream.get()
@@ -132,6 +133,7 @@ class Generation:
         return acc
 
     def close(self) -> None:
-        """Aborts whatever still runs (idempotent)."""
+        """Aborts whatever still runs (idempotent); a consumer in `events` stops there."""
+        self._closed = True
         if self._stream is not None:
             self._stream.abort()

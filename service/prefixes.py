@@ -6,8 +6,10 @@ from typing import Any
 from aiohttp import web
 
 from service.errors import ApiError, invalid
-from service.protocol import clean_messages, encode_prompt, read_json, render_messages
-from service.registry import NAME_RE, PrefixRegistry
+from service.prepare import off_loop
+from service.protocol import encode_prompt, parse_body, read_body, render_messages, template_messages
+from service.registry import PrefixRegistry
+from service.schema import PrefixRequest
 from service.state import STATE
 
 
@@ -21,37 +23,28 @@ def _registry(request: web.Request) -> PrefixRegistry:
     return registry
 
 
-def _render(body: dict[str, Any], tokenizer: Any) -> tuple[list[int], dict[str, Any]]:
-    """The prefix's tokens and its source: a prompt as completions encode it, or messages through the
-    chat template without a generation prompt (a chat request naming the prefix renders after it)."""
-    has_prompt, has_messages = "prompt" in body, "messages" in body
-    if has_prompt == has_messages:
+def _render(raw: bytes, tokenizer: Any) -> tuple[PrefixRequest, list[int], dict[str, Any]]:
+    """The request, the prefix's tokens and its source: a prompt as completions encode it, or messages
+    through the chat template without a generation prompt (a chat request naming the prefix renders
+    after it)."""
+    body = parse_body(PrefixRequest, raw)
+    if (body.prompt is None) == (body.messages is None):
         raise invalid("give exactly one of prompt or messages", "prompt")
-    if has_prompt:
-        prompt = body["prompt"]
-        if not isinstance(prompt, str) or not prompt:
-            raise invalid("prompt must be a non-empty string", "prompt")
-        return encode_prompt(tokenizer, prompt), {"prompt": prompt}
-    clean = clean_messages(body["messages"])
-    return render_messages(clean, tokenizer, add_generation_prompt=False), {"messages": clean}
-
-
-def _check_name(name: Any) -> str:
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        raise invalid("name must be 1-64 characters of letters, digits, '.', '_' or '-'", "name")
-    return name
+    if body.prompt is not None:
+        return body, encode_prompt(tokenizer, body.prompt), {"prompt": body.prompt}
+    assert body.messages is not None
+    clean = template_messages(body.messages)
+    return body, render_messages(clean, tokenizer, add_generation_prompt=False), {"messages": clean}
 
 
 async def create_prefix(request: web.Request) -> web.Response:
     registry = _registry(request)
-    body = await read_json(request)
-    name = _check_name(body.get("name"))
-    description = body.get("description")
-    if description is not None and not isinstance(description, str):
-        raise invalid("description must be a string", "description")
-    token_ids, source = _render(body, registry.engine.tokenizer)
-    record, created = await registry.register(name, token_ids, source, description)
-    entry = registry.local.get(name)
+    state = request.app[STATE]
+    raw = await read_body(request)
+    body, token_ids, source = await off_loop(state.tokenizer_executor,
+                                             lambda: _render(raw, registry.engine.tokenizer))
+    record, created = await registry.register(body.name, token_ids, source, body.description)
+    entry = registry.local.get(body.name)
     return web.json_response(registry.describe(entry, record, loaded=entry is not None), status=201 if created else 200)
 
 

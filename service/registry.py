@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ from prefix_store import PrefixConflict, PrefixRecord, PrefixStore, ReplicaInfo,
 from service.registry_errors import InvalidPrefix, PrefixNotFound
 
 log = logging.getLogger(__name__)
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 @dataclass

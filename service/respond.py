@@ -10,7 +10,7 @@ from service import sse
 from service.generation import ChoiceDelta, Generation
 from service.metrics import METRICS
 from service.prefix_hook import on_prefix_use, with_prefix
-from service.protocol import GenerationRequest, check_choices
+from service.protocol import GenerationRequest
 from service.state import STATE
 
 ChunkFn = Callable[[Generation, ChoiceDelta], list[dict[str, Any]]]   # one delta -> SSE chunks
@@ -22,7 +22,6 @@ async def respond(request: web.Request, prompts: list[list[int]], req: Generatio
                   head: HeadFn, chunks: ChunkFn, body: BodyFn) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.ready_engine()
-    check_choices(len(prompts), req.params, state.config.max_choices)
     prompts = with_prefix(request.app, req.prefix, prompts)
     gen = Generation(engine, prompts, req.params, request.app[METRICS], on_prefix_use(request.app, req.prefix))
     try:

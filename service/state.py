@@ -1,6 +1,7 @@
 """ServiceState: what the handlers share: the config, the engine once it is loaded, the drain flag."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -9,6 +10,7 @@ from aiohttp import web
 from service.config import ServiceConfig
 from service.errors import ApiError
 from service.logprobs import TokenText
+from service.prepare import tokenizer_executor
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -22,6 +24,7 @@ class ServiceState:
     load_error: str | None = None         # set when loading the model failed
     draining: bool = False                # SIGTERM received: finish running streams, take no new ones
     registry: PrefixRegistry | None = None  # set with the engine, once every registered prefix is warm
+    tokenizer_executor: ThreadPoolExecutor = field(default_factory=tokenizer_executor, repr=False)
     _token_text: TokenText | None = field(default=None, repr=False)
 
     def token_text(self) -> TokenText:

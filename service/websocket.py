@@ -6,31 +6,53 @@ Out: {"type": "delta", "id", "index", "text", "token_ids"[, "logprobs"]}
      {"type": "done", "id", "finish_reason", "choices": [{"index", "finish_reason"}], "usage"}
      {"type": "error", "id", "error": {"message", "type", "param", "code"}}
 
-Sampling fields are those of HTTP: `n`, `best_of`, `use_beam_search`, `length_penalty`,
-`early_stopping`, and `logprobs` (an int with `prompt`; a bool plus `top_logprobs` with `messages`).
-A delta's `index` is its choice (prompt * n + sample); its `logprobs`, when asked for, is the list of
-chat-shaped entries ({"token", "logprob", "bytes", "top_logprobs"}) for its tokens.
+A `generate` body is validated like HTTP's: as a chat completion when it has `messages`, else as a
+completion (service/schema.py), `type` and `id` aside. A delta's `index` is its choice (prompt * n +
+sample); its `logprobs`, when asked for, is the list of chat-shaped entries ({"token", "logprob",
+"bytes", "top_logprobs"}) for its tokens.
 
-Each generation is its own task; an error ends that generation only. A cancel or the socket closing
-cancels the task, whose `finally` aborts its engine requests. A cancelled generation ends with a
-`done` whose finish_reason is "cancelled".
+Who owns what: the Session owns one _Generation per live id, registered the moment its `generate`
+frame is read, so a `cancel` right behind it always finds it. Each runs as its own task (parse and
+tokenize off the loop, admit, stream); every one ends with exactly one `done` or `error` frame, and its
+engine requests are aborted in its `finally`. A cancel does not cancel the task: it closes the
+generation (its engine requests are aborted at the next step) and the task ends it with a `done` whose
+unfinished choices say "cancelled". A bad frame gets an `error` frame; the socket and its other
+generations go on. Closing the socket cancels the tasks.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic_core
 from aiohttp import WSMsgType, web
 
 from engine.errors import EngineError
-from service.errors import ApiError, from_engine, invalid
+from service.errors import ApiError, from_engine, from_registry, invalid
 from service.generation import Generation
 from service.logprobs import chat_logprobs
 from service.metrics import METRICS
 from service.prefix_hook import on_prefix_use, with_prefix
-from service.protocol import check_choices, check_model, parse_json, parse_messages, parse_prompts, parse_request
+from service.prepare import Prepared, off_loop, prepare_chat, prepare_completion
+from service.registry_errors import RegistryError
 from service.state import STATE
+
+
+@dataclass
+class _Generation:
+    gid: Any
+    body: dict[str, Any]
+    task: asyncio.Task[None] | None = None
+    gen: Generation | None = None
+    cancelled: bool = False
+    reasons: list[str | None] = field(default_factory=list)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.gen is not None:
+            self.gen.close()
 
 
 class Session:
@@ -38,8 +60,7 @@ class Session:
         self.request = request
         self.ws = ws
         self.state = request.app[STATE]
-        self.tasks: dict[str, asyncio.Task[None]] = {}     # json-encoded id -> its generation
-        self.cancelled: set[str] = set()
+        self.live: dict[str, _Generation] = {}     # json-encoded id -> its generation
         self.draining = False
 
     async def run(self) -> None:
@@ -50,102 +71,116 @@ class Session:
                 elif msg.type == WSMsgType.BINARY:
                     await self.send_error(None, invalid("binary frames are not supported; send JSON text"))
         finally:
-            for task in self.tasks.values():
-                task.cancel()
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            tasks = [g.task for g in self.live.values() if g.task is not None]
+            for g in list(self.live.values()):
+                g.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def on_text(self, data: str) -> None:
         try:
-            body = parse_json(data)
-        except ApiError as exc:
-            await self.send_error(None, exc)
+            frame = pydantic_core.from_json(data)
+        except ValueError as exc:         # bad JSON, a lone surrogate, nesting too deep
+            await self.send_error(None, invalid(f"the frame is not valid JSON: {exc}"))
             return
-        gid = body.get("id")
-        kind = body.get("type")
+        if not isinstance(frame, dict):
+            await self.send_error(None, invalid("a frame must be a JSON object"))
+            return
+        gid = frame.pop("id", None)
+        kind = frame.pop("type", None)
         if not isinstance(gid, (str, int)) or isinstance(gid, bool):
             await self.send_error(gid, invalid("id must be a string or an integer", "id"))
             return
         key = json.dumps(gid)
         if kind == "cancel":
-            task = self.tasks.get(key)
-            if task is None:
+            live = self.live.get(key)
+            if live is None:
                 await self.send_error(gid, invalid(f"no running generation has id {gid!r}", "id"))
                 return
-            self.cancelled.add(key)
-            task.cancel()
+            live.cancel()
         elif kind == "generate":
-            try:
-                gen = await self.prepare(gid, key, body)
-            except (ApiError, EngineError) as exc:
-                await self.send_error(gid, exc)
+            if key in self.live:
+                await self.send_error(gid, invalid(f"a generation with id {gid!r} is already running on this "
+                                                   "socket", "id"))
                 return
-            self.tasks[key] = asyncio.create_task(self.generate(gid, key, *gen))
+            if len(self.live) >= self.state.config.max_ws_generations:
+                await self.send_error(gid, ApiError(
+                    429, f"at most {self.state.config.max_ws_generations} generations may run on one socket",
+                    type="rate_limit_error", code="too_many_generations"))
+                return
+            live = _Generation(gid, frame)
+            self.live[key] = live
+            live.task = asyncio.create_task(self.generate(key, live))
         else:
             await self.send_error(gid, invalid("type must be 'generate' or 'cancel'", "type"))
 
-    async def prepare(self, gid: Any, key: str, body: dict[str, Any]) -> tuple[Generation, int | None]:
-        """The started generation and the top-k of logprobs asked for (None: none)."""
+    async def _prepare(self, body: dict[str, Any]) -> Prepared:
         engine = self.state.ready_engine()
-        if key in self.tasks:
-            raise invalid(f"a generation with id {gid!r} is already running on this socket", "id")
-        if len(self.tasks) >= self.state.config.max_ws_generations:
-            raise ApiError(429, f"at most {self.state.config.max_ws_generations} generations may run on one "
-                           "socket", type="rate_limit_error", code="too_many_generations")
-        check_model(body, self.state.model_name)
-        chat = "messages" in body
-        req = parse_request(body, chat=chat, max_choices=self.state.config.max_choices)
-        tokenizer = engine.tokenizer
-        prompts = [parse_messages(body["messages"], tokenizer)] if chat else parse_prompts(body, tokenizer)
-        check_choices(len(prompts), req.params, self.state.config.max_choices)
-        prompts = with_prefix(self.request.app, req.prefix, prompts)
-        gen = Generation(engine, prompts, req.params, self.request.app[METRICS],
-                         on_prefix_use(self.request.app, req.prefix))
-        await gen.start()
-        return gen, req.params.logprobs
+        args = (body, engine.tokenizer, self.state.model_name, self.state.config.max_choices)
+        fn = prepare_chat if "messages" in body else prepare_completion
+        return await off_loop(self.state.tokenizer_executor, lambda: fn(*args))
 
-    async def generate(self, gid: Any, key: str, gen: Generation, top_k: int | None) -> None:
-        reasons: list[str | None] = [None] * gen.num_choices
-        tokens = self.state.token_text() if top_k is not None else None
+    async def generate(self, key: str, live: _Generation) -> None:
+        gid = live.gid
         try:
-            async for d in gen.events():
-                assert d is not None
-                if d.text or d.token_ids:
-                    frame = {"type": "delta", "id": gid, "index": d.index, "text": d.text, "token_ids": d.token_ids}
-                    if tokens is not None and top_k is not None:
-                        frame["logprobs"] = chat_logprobs(tokens, d.token_ids, d.logprobs or [], top_k)["content"]
-                    await self.ws.send_json(frame)
-                if d.finish_reason is not None:
-                    reasons[d.index] = d.finish_reason
+            prepared = await self._prepare(live.body)
+            req = prepared.req
+            engine = self.state.ready_engine()
+            prompts = with_prefix(self.request.app, req.prefix, prepared.prompts)
+            gen = Generation(engine, prompts, req.params, self.request.app[METRICS],
+                             on_prefix_use(self.request.app, req.prefix))
+            live.gen, live.reasons = gen, [None] * gen.num_choices
+            if not live.cancelled:
+                await gen.start()
+            top_k = req.params.logprobs
+            tokens = self.state.token_text() if top_k is not None else None
+            if not live.cancelled:
+                async for d in gen.events():
+                    assert d is not None
+                    if live.cancelled:
+                        break
+                    if d.text or d.token_ids:
+                        frame = {"type": "delta", "id": gid, "index": d.index, "text": d.text,
+                                 "token_ids": d.token_ids}
+                        if tokens is not None and top_k is not None:
+                            frame["logprobs"] = chat_logprobs(tokens, d.token_ids, d.logprobs or [], top_k)["content"]
+                        await self.ws.send_json(frame)
+                    if d.finish_reason is not None:
+                        live.reasons[d.index] = d.finish_reason
+            reasons: list[str | None] = [r or "cancelled" for r in live.reasons] if live.cancelled else live.reasons
             await self.send_done(gid, reasons, gen)
-        except asyncio.CancelledError:
-            if key not in self.cancelled:
-                raise  # the socket is closing
-            await self.send_done(gid, [r or "cancelled" for r in reasons], gen)
-        except EngineError as exc:
+        except (ApiError, EngineError, RegistryError) as exc:
             await self.send_error(gid, exc)
         except ConnectionError:
             pass  # the peer went away mid-send; the finally aborts
         finally:
-            gen.close()
-            self.tasks.pop(key, None)
-            self.cancelled.discard(key)
-            if self.draining and not self.tasks:
+            if live.gen is not None:
+                live.gen.close()
+            self.live.pop(key, None)
+            if self.draining and not self.live:
                 await self.ws.close(code=1001, message=b"server shutting down")
 
     async def send_done(self, gid: Any, reasons: list[str | None], gen: Generation) -> None:
-        await self.ws.send_json({"type": "done", "id": gid, "finish_reason": reasons[0],
-                                 "choices": [{"index": i, "finish_reason": r} for i, r in enumerate(reasons)],
-                                 "usage": gen.usage.as_dict()})
+        if not self.ws.closed:
+            await self.ws.send_json({"type": "done", "id": gid, "finish_reason": reasons[0] if reasons else None,
+                                     "choices": [{"index": i, "finish_reason": r} for i, r in enumerate(reasons)],
+                                     "usage": gen.usage.as_dict()})
 
-    async def send_error(self, gid: Any, exc: ApiError | EngineError) -> None:
-        err = exc if isinstance(exc, ApiError) else from_engine(exc)
+    async def send_error(self, gid: Any, exc: ApiError | EngineError | RegistryError) -> None:
+        if isinstance(exc, ApiError):
+            err = exc
+        elif isinstance(exc, EngineError):
+            err = from_engine(exc)
+        else:
+            err = from_registry(exc)
         if not self.ws.closed:
             await self.ws.send_json({"type": "error", "id": gid, "error": err.body()["error"]})
 
     async def drain(self) -> None:
         """Shutdown: let running generations finish, then close with 1001 (going away)."""
         self.draining = True
-        if not self.tasks:
+        if not self.live:
             await self.ws.close(code=1001, message=b"server shutting down")
 
 

@@ -97,3 +97,56 @@ async def test_duplicate_id_unknown_cancel_and_close_aborts(server: ServerThread
             break
         await asyncio.sleep(0.02)
     assert st.requests_running == st.requests_waiting == 0 and st.kv_blocks_used == st.kv_blocks_pinned
+
+
+async def test_cancel_right_behind_generate_always_ends_the_generation(server: ServerThread) -> None:
+    """80 generate+cancel pairs sent back to back on one socket (more than the 64 live generations a
+    socket may hold): each admitted generation ends with exactly one `done` (cancelled); one refused
+    for the cap gets its 429 and its cancel a "no running generation"; none keeps running in the
+    engine, and the socket takes new work afterwards."""
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"{server.url}/v1/ws") as ws:
+        for i in range(80):
+            await ws.send_json({"type": "generate", "id": i, "prompt": "hi there", "max_tokens": 200,
+                                "ignore_eos": True})
+            await ws.send_json({"type": "cancel", "id": i})
+        frames = await _collect(ws, set(range(80)))
+        while True:                         # the cancels of refused ids answer after their 429
+            try:
+                frames.append(json.loads((await asyncio.wait_for(ws.receive(), 1.0)).data))
+            except TimeoutError:
+                break
+        by_id: dict[int, list[dict]] = {}
+        for f in frames:
+            by_id.setdefault(f["id"], []).append(f)
+        assert sorted(by_id) == list(range(80))
+        admitted = 0
+        for i, fs in by_id.items():
+            kinds = [(f["type"], f.get("error", {}).get("code")) for f in fs if f["type"] != "delta"]
+            if kinds == [("done", None)]:
+                admitted += 1
+                assert fs[-1]["choices"][0]["finish_reason"] == "cancelled", fs[-1]
+            else:
+                assert kinds == [("error", "too_many_generations"), ("error", None)], (i, fs)
+        assert admitted >= 64
+        for _ in range(200):
+            st = server.state.engine.stats()
+            if st.requests_running == st.requests_waiting == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert st.requests_running == st.requests_waiting == 0 and st.kv_blocks_used == st.kv_blocks_pinned
+        await ws.send_json({"type": "generate", "id": "after", "prompt": "hi", "max_tokens": 3})
+        done = [f for f in await _collect(ws, {"after"}) if f["type"] == "done"]
+        assert done and done[0]["usage"]["completion_tokens"] >= 1
+
+
+async def test_bad_frames_leave_the_socket_and_other_generations_alone(server: ServerThread) -> None:
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"{server.url}/v1/ws") as ws:
+        await ws.send_json({"type": "generate", "id": "ok", "prompt": "hello", "max_tokens": 30, "ignore_eos": True})
+        await ws.send_str("[" * 3000 + "]" * 3000)                                  # nesting too deep
+        await ws.send_str('{"type": "generate", "id": "s", "prompt": "\\ud800"}')   # a lone surrogate
+        await ws.send_str('{"type": "generate", "id": "x", "prompt": "hi", "bogus": 1}')
+        frames = await _collect(ws, {"ok", "x"})
+    errors = [f for f in frames if f["type"] == "error"]
+    assert [(e["id"], e["error"]["param"]) for e in errors] == [(None, None), (None, None), ("x", "bogus")]
+    done = [f for f in frames if f["type"] == "done"]
+    assert done[0]["id"] == "ok" and done[0]["choices"][0]["finish_reason"] == "length"

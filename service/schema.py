@@ -1,0 +1,252 @@
+"""The request schema: typed pydantic models for every JSON body the service accepts.
+
+One source of truth: validation (strict types, ranges, unknown fields refused) and /openapi.json
+(service/openapi.py) both come from these models. A field is either honoured or refused with a 400 that
+names it; unknown fields are refused, except the documented extensions below.
+
+Extensions beyond the OpenAI API (vLLM's names where vLLM has the field):
+  prefix                     name of a registered prefix to put before the prompt (ours)
+  top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+  best_of (chat too), use_beam_search, length_penalty, early_stopping, return_token_ids,
+  guided_json, guided_regex, guided_choice (completions)                         (vLLM's)
+
+Server-dependent limits (n and best_of against `max_choices`, max_tokens against the context length)
+are checked by the handlers; the OpenAPI document narrows the schemas to this server's values.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOP = 16                # stop strings per request
+MAX_STOP_LEN = 256           # characters per stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024        # entries
+MAX_LOGPROBS = 20
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128
+MAX_PROMPTS = 1024           # prompts in one completions request (also capped by max_choices)
+
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+
+
+class _Strict(BaseModel):
+    """Strict types (no "5" for 5, no 1 for true), unknown fields refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    name: NonEmptyStr
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: NonEmptyStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None           # an assistant turn that called tools
+    tool_call_id: str | None = None                    # a tool turn: the call it answers
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Sampling(_Strict):
+    """Fields shared by completions and chat."""
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    stop: StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    prefix: str | None = None
+    return_token_ids: bool | None = None
+    use_beam_search: bool | None = None
+    length_penalty: Annotated[float, Field(ge=-10.0, le=10.0)] | None = None
+    early_stopping: bool | Literal["never"] | None = None
+    response_format: ResponseFormat | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None:
+            for key in v:
+                if not key.isdigit():
+                    raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key!r}")
+        return v
+
+
+class CompletionRequest(_Sampling):
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[NonEmptyStr], Field(min_length=1)]
+             | TokenIds | Annotated[list[TokenIds], Field(min_length=1)])
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"     # no "." or ".." alone, no trailing newline
+MAX_DESCRIPTION = 4096
+
+
+class PrefixRequest(_Strict):
+    """Exactly one of `prompt` (tokenized as completions do) or `messages` (through the chat template,
+    no generation prompt)."""
+
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    description: Annotated[str, Field(max_length=MAX_DESCRIPTION)] | None = None
+
+
+class TokenizeCompletion(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChat(_Strict):
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class SchemaError(Exception):
+    """A body that does not match its model: the first problem, and the top-level field it is in."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def parse(model: type[_Strict], raw: bytes | str | dict[str, Any]) -> Any:
+    """`raw` (JSON bytes or text, or an already parsed object) as `model`; raises SchemaError."""
+    try:
+        if isinstance(raw, dict):
+            return model.model_validate(raw)
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _schema_error(exc) from None
+
+
+# What a field of several shapes may be, for errors that would otherwise name pydantic's union branches.
+_SHAPES = {
+    "prompt": "must be a non-empty string, a list of non-empty strings, a non-empty list of token ids, or a "
+              "list of non-empty token-id lists",
+    "stop": f"must be a non-empty string or a list of at most {MAX_STOP} non-empty strings "
+            f"(each at most {MAX_STOP_LEN} characters)",
+    "early_stopping": 'must be true, false or "never"',
+    "tool_choice": 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+    "guided_json": "must be a JSON schema (an object, or a string holding one)",
+}
+
+
+def _schema_error(exc: ValidationError) -> SchemaError:
+    err = exc.errors(include_url=False)[0]
+    loc = [str(p) for p in err["loc"]]
+    if loc and loc[0] in _SHAPES and err["type"] not in ("extra_forbidden", "missing"):
+        return SchemaError(f"{loc[0]} {_SHAPES[loc[0]]}", loc[0])
+    if err["type"] in ("json_invalid", "json_type") or (err["type"] == "model_type" and not loc):
+        return SchemaError(f"the body is not a valid JSON object: {err['msg']}", None)
+    if err["type"] == "extra_forbidden":
+        where = ".".join(loc)
+        return SchemaError(f"unknown field {where!r}: this server does not accept it (see /openapi.json)",
+                           loc[0] if loc else None)
+    where = ".".join(loc)
+    return SchemaError(f"{where}: {err['msg']}" if where else err["msg"], loc[0] if loc else None)

@@ -1,0 +1,125 @@
+"""The request schema at the edge: unknown and not-yet-honoured fields refused by name, /openapi.json from
+the same models, the token endpoints in vLLM's shapes, /version and /v1/models/{id}, bodies that used to
+give a 500, and request preparation off the event loop."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import openai
+import pytest
+import requests
+from openai import OpenAI
+
+from service.protocol import UNSUPPORTED_FIELDS
+from service.schema import ChatCompletionRequest, CompletionRequest
+from tests.helpers.server import ServerThread
+
+MSG = [{"role": "user", "content": "hi"}]
+ODD_VALUES: dict[str, Any] = {
+    "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {"5": 1.0},
+    "min_p": 0.1, "min_tokens": 2, "response_format": {"type": "json_object"}, "guided_json": {"type": "object"},
+    "guided_regex": "a+", "guided_choice": ["a", "b"], "echo": True, "suffix": "end",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "required", "parallel_tool_calls": False,
+}
+
+
+def _post(server: ServerThread, path: str, body: Any) -> requests.Response:
+    return requests.post(server.url + path, json=body, timeout=30)
+
+
+@pytest.mark.parametrize("field", sorted(UNSUPPORTED_FIELDS))
+def test_fields_not_honoured_are_refused_by_name(server: ServerThread, field: str) -> None:
+    chat = field in ChatCompletionRequest.model_fields
+    body = {"messages": MSG} if chat else {"prompt": "hi"}
+    r = _post(server, "/v1/chat/completions" if chat else "/v1/completions", {**body, field: ODD_VALUES[field]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hi", "max_token": 5}, "max_token"),
+    ("/v1/chat/completions", {"messages": MSG, "temprature": 0}, "temprature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "mood": "x"}]}, "messages"),
+    ("/v1/prefixes", {"name": "x", "prompt": "hello", "pinned": True}, "pinned"),
+])
+def test_unknown_fields_are_refused_by_name(server: ServerThread, path: str, body: dict, param: str) -> None:
+    r = _post(server, path, body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "unknown field" in err["message"]
+    assert err["param"] == param
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(client: OpenAI, model_name: str) -> None:
+    out = client.completions.create(model=model_name, prompt="hi", max_tokens=2, echo=False,
+                                    extra_body={"suffix": ""})
+    assert out.choices[0].text is not None
+    chat = client.chat.completions.create(model=model_name, messages=MSG, max_tokens=2,  # type: ignore[arg-type]
+                                          response_format={"type": "text"}, tool_choice="none")
+    assert chat.choices[0].message.role == "assistant"
+
+
+def test_openapi_request_schemas_are_the_models(server: ServerThread) -> None:
+    spec = requests.get(f"{server.url}/openapi.json", timeout=10).json()
+    assert spec["openapi"] == "3.1.0"
+    schemas = spec["components"]["schemas"]
+    for model in (CompletionRequest, ChatCompletionRequest):
+        published = set(schemas[model.__name__]["properties"])
+        assert published == set(model.model_fields) - set(UNSUPPORTED_FIELDS), model
+    assert schemas["ChatCompletionRequest"]["properties"]["n"]["anyOf"][0]["maximum"] == server.config.max_choices
+    assert schemas["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 256
+    for path in ("/tokenize", "/detokenize", "/version", "/v1/models/{model}"):
+        assert path in spec["paths"]
+
+
+def test_models_retrieve_and_version(client: OpenAI, model_name: str, server: ServerThread) -> None:
+    assert client.models.retrieve(model_name).id == model_name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    v = requests.get(f"{server.url}/version", timeout=10).json()
+    assert v["version"] and isinstance(v["version"], str)
+
+
+def test_tokenize_and_detokenize_round_trip(server: ServerThread, client: OpenAI, model_name: str) -> None:
+    tok = _post(server, "/tokenize", {"prompt": "hello world", "return_token_strs": True}).json()
+    assert tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) and tok["max_model_len"] == 256
+    assert _post(server, "/detokenize", {"tokens": tok["tokens"]}).json()["prompt"].endswith("hello world")
+    # chat messages: exactly the prompt tokens a chat completion uses
+    chat = _post(server, "/tokenize", {"messages": MSG}).json()
+    used = client.chat.completions.create(model=model_name, messages=MSG, max_tokens=1,  # type: ignore[arg-type]
+                                          extra_body={"return_token_ids": True})
+    assert chat["tokens"] == used.model_extra["prompt_token_ids"]  # type: ignore[index]
+    assert _post(server, "/tokenize", {"prompt": "hi", "model": "nope"}).status_code == 404
+    assert _post(server, "/detokenize", {"tokens": [10**9]}).json()["error"]["param"] == "tokens"
+    assert _post(server, "/tokenize", {"prompt": 3}).status_code == 400
+
+
+@pytest.mark.parametrize("raw", [b"[" * 3000 + b"]" * 3000, b'{"prompt": "\\ud800"}', b'{"prompt": "a\\ud800b"}'])
+def test_bodies_that_used_to_give_500(server: ServerThread, raw: bytes) -> None:
+    for path in ("/v1/completions", "/tokenize", "/v1/prefixes"):
+        r = requests.post(server.url + path, data=raw, headers={"Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_tokenization_runs_off_the_event_loop(server: ServerThread, client: OpenAI, model_name: str) -> None:
+    """Parsing, chat rendering and tokenization run on the tokenizer thread, never on the event loop."""
+    tokenizer = server.state.engine.tokenizer  # type: ignore[union-attr]
+    seen: set[str] = set()
+    real = tokenizer.encode
+
+    def encode(*args: Any, **kwargs: Any) -> Any:
+        seen.add(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    tokenizer.encode = encode
+    try:
+        client.completions.create(model=model_name, prompt=["one", "two"], max_tokens=1)
+        client.chat.completions.create(model=model_name, messages=MSG, max_tokens=1)  # type: ignore[arg-type]
+        _post(server, "/tokenize", {"prompt": "three"})
+        _post(server, "/v1/prefixes", {"name": "offloop", "prompt": "hello " * 40})
+    finally:
+        del tokenizer.encode
+    assert seen and all(name.startswith("tokenize") for name in seen), seen
