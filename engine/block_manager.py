@@ -114,6 +114,13 @@ class BlockManager:
         state.blocks.extend(self.pool.allocate(need))
         return True
 
+    def growable_tokens(self, seq_id: int, write_from: int | None = None) -> int:
+        """The most tokens in all that `grow` could make room for now (its blocks plus the free ones,
+        less one block if the write needs a copy-on-write first)."""
+        state = self._seqs[seq_id]
+        free = self.pool.num_free - (self._shared_block_index(state, write_from) is not None)
+        return max(0, len(state.blocks) + free) * self.block_size
+
     def _shared_block_index(self, state: SeqBlocks, write_from: int | None) -> int | None:
         if write_from is None:
             return None

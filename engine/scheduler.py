@@ -3,7 +3,8 @@
 Each step, in this order, under the budgets `max_num_seqs` and `max_num_batched_tokens`:
   1. running decodes (one token each, oldest first). A decode that cannot get a block preempts the
      youngest running sequence (its blocks freed, requeued at the front of `waiting`);
-  2. running sequences still in a chunked prefill, with the tokens left in the budget;
+  2. running sequences still in a chunked prefill, with the tokens left in the budget (a smaller chunk
+     when blocks are short; with no block at all, the youngest running sequence is preempted);
   3. waiting sequences, first come first served: their prompt is looked up in the prefix cache and
      only the rest is scheduled (a chunk of it if the budget is short).
 A sequence samples a token in a step iff that step's chunk reaches its last token.
@@ -99,8 +100,17 @@ class Scheduler:
             if seq.seq_id in scheduled_ids or seq.status is not Status.RUNNING or seq.num_tokens == seq.num_computed:
                 continue  # (a beam whose logits wait for its siblings has nothing to compute)
             num_new = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.manager.grow(seq.seq_id, seq.num_computed + num_new, write_from=seq.num_computed):
+            # Short of blocks: a smaller chunk; no room at all: preempt the youngest (maybe this one),
+            # or sequences mid-prefill could hold each other's memory forever.
+            while (room := self.manager.growable_tokens(seq.seq_id, seq.num_computed) - seq.num_computed) <= 0:
+                victim = self._youngest_unscheduled(scheduled_ids)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
                 continue
+            num_new = min(num_new, room)
+            assert self.manager.grow(seq.seq_id, seq.num_computed + num_new, write_from=seq.num_computed)
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed + num_new == seq.num_tokens))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new

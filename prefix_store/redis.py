@@ -56,6 +56,16 @@ def _unpack(raw: bytes | str) -> dict[str, Any]:
     return obj
 
 
+def _record(raw: bytes | str, key: str) -> PrefixRecord:
+    """A stored record, or StoreUnavailable naming the key if it cannot be decoded (a foreign writer, a
+    newer or older format): for the caller it is a store that cannot answer for that name."""
+    try:
+        return PrefixRecord.from_dict(_unpack(raw))
+    except Exception as exc:  # msgpack, KeyError, ValueError, TypeError: whatever the bytes were
+        raise StoreUnavailable(f"the prefix record at {key!r} cannot be decoded ({type(exc).__name__}: {exc}); "
+                               "delete it or fix its writer") from exc
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -114,7 +124,7 @@ class RedisPrefixStore:
                         await pipe.watch(key)
                         raw = await pipe.get(key)
                         if raw is not None:
-                            existing = PrefixRecord.from_dict(_unpack(raw))
+                            existing = _record(raw, key)
                             if existing.same_content(record):
                                 return existing, False
                             raise PrefixConflict(existing)
@@ -130,9 +140,10 @@ class RedisPrefixStore:
         raise StoreUnavailable(f"put of prefix {record.name!r} lost {_TX_ATTEMPTS} races in a row; retry")
 
     async def get(self, fingerprint: str, name: str) -> PrefixRecord | None:
+        key = self._record_key(fingerprint, name)
         with _unavailable("get"):
-            raw = await self._client.get(self._record_key(fingerprint, name))
-        return None if raw is None else PrefixRecord.from_dict(_unpack(raw))
+            raw = await self._client.get(key)
+        return None if raw is None else _record(raw, key)
 
     async def list(self, fingerprint: str | None = None) -> builtins.list[PrefixRecord]:
         records: builtins.list[PrefixRecord] = []
@@ -145,9 +156,15 @@ class RedisPrefixStore:
                 names = sorted(_text(n) for n in await self._client.smembers(self._index_key(fp)))
                 if not names:
                     continue
-                raws = await self._client.mget([self._record_key(fp, n) for n in names])
-                # None: deleted between SMEMBERS and MGET.
-                records.extend(PrefixRecord.from_dict(_unpack(r)) for r in raws if r is not None)
+                keys = [self._record_key(fp, n) for n in names]
+                raws = await self._client.mget(keys)
+                for key, raw in zip(keys, raws):
+                    if raw is None:        # deleted between SMEMBERS and MGET
+                        continue
+                    try:
+                        records.append(_record(raw, key))
+                    except StoreUnavailable as exc:     # one bad record must not hide the others
+                        logger.error("%s; listing the others", exc)
         return records
 
     async def delete(self, fingerprint: str, name: str, origin: str) -> bool:

@@ -69,10 +69,16 @@ class PrefixRegistry:
         first = True
         try:
             async for ev in events:
-                if ev.kind == "resync":
-                    await self.resync()
-                elif ev.fingerprint == self.fingerprint:
-                    await self._apply(ev.kind, ev.name)
+                try:
+                    if ev.kind == "resync":
+                        await self.resync()
+                    elif ev.fingerprint == self.fingerprint:
+                        await self._apply(ev.kind, ev.name)
+                except StoreUnavailable as exc:     # the next announcement or resync catches up
+                    self.store_ok = False
+                    log.warning("prefix event %s %r not applied: %s", ev.kind, ev.name, exc)
+                except Exception:                   # never let one bad event stop following the store
+                    log.exception("prefix event %s %r failed", ev.kind, ev.name)
                 if first:
                     first = False
                     self.ready.set()
