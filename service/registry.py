@@ -13,8 +13,9 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineError
@@ -22,6 +23,19 @@ from prefix_store import PrefixConflict, PrefixRecord, PrefixStore, ReplicaInfo,
 from service.registry_errors import InvalidPrefix, PrefixNotFound
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def _shielded(coro: Coroutine[Any, Any, T]) -> T:
+    """Runs `coro` to its end even if the caller is cancelled (its outcome is then only logged)."""
+    task = asyncio.create_task(coro)
+    task.add_done_callback(_log_orphan)
+    return await asyncio.shield(task)
+
+
+def _log_orphan(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.info("a registry operation whose caller left ended with: %s", task.exception())
 
 
 @dataclass
@@ -159,8 +173,7 @@ class PrefixRegistry:
         if len(token_ids) >= self.engine.max_model_len:
             raise InvalidPrefix(f"the prefix has {len(token_ids)} tokens; the model's maximum context length is "
                                 f"{self.engine.max_model_len}", param="prompt")
-        task = asyncio.create_task(self._register(name, list(token_ids), source, description))
-        return await asyncio.shield(task)
+        return await _shielded(self._register(name, list(token_ids), source, description))
 
     async def _register(self, name: str, token_ids: list[int], source: dict[str, Any],
                         description: str | None) -> tuple[PrefixRecord, bool]:
@@ -193,8 +206,7 @@ class PrefixRegistry:
 
     async def delete(self, name: str) -> None:
         """Raises PrefixNotFound or StoreUnavailable."""
-        task = asyncio.create_task(self._delete(name))
-        await asyncio.shield(task)
+        await _shielded(self._delete(name))
 
     async def _delete(self, name: str) -> None:
         async with self._lock:
@@ -246,11 +258,8 @@ class PrefixRegistry:
     async def get(self, name: str) -> dict[str, Any]:
         entry = self.local.get(name)
         record: PrefixRecord | None = entry.record if entry else None
-        if record is None:
-            try:
-                record = await self.store.get(self.fingerprint, name)
-            except StoreUnavailable:
-                record = None
+        if record is None:     # not here: only the store can say (StoreUnavailable if it cannot)
+            record = await self.store.get(self.fingerprint, name)
         if record is None:
             raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
         return self.describe(entry, record, loaded=entry is not None)

@@ -117,3 +117,54 @@ def test_pinned_prefix_survives_pressure_lru_one_does_not(srv: ServerThread) -> 
     again = completion(srv, prompt=seen_text + "?")
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, (seen, again)
     assert http("DELETE", f"{srv.url}/v1/prefixes/keep")[0] == 200
+
+
+async def test_clients_that_leave_mid_registration_leak_no_pins(srv: ServerThread) -> None:
+    """A client that disconnects while POST /v1/prefixes pins: the registration completes or never
+    happened, never half; the pinned blocks always equal the registry's."""
+    import asyncio
+
+    import aiohttp
+
+    def pinned_now() -> int:
+        return srv.call(_snapshot_pins(srv))
+
+    async with aiohttp.ClientSession() as s:
+        for i in range(12):
+            try:
+                async with asyncio.timeout(0.002 * i):
+                    body = {"name": f"gone-{i % 3}", "prompt": f"{i % 3} {SYSTEM}"}
+                    await s.post(f"{srv.url}/v1/prefixes", json=body)
+            except TimeoutError:
+                pass
+    for _ in range(200):                                   # what was started, ends
+        engine_pins, registry_pins = pinned_now()
+        if engine_pins == registry_pins:
+            break
+        await asyncio.sleep(0.02)
+    assert engine_pins == registry_pins
+    for i in range(3):                                     # a repeat is 201 (new) or 200 (it completed)
+        status, _ = http("POST", f"{srv.url}/v1/prefixes", {"name": f"gone-{i}", "prompt": f"{i} {SYSTEM}"})
+        assert status in (200, 201)
+        assert http("DELETE", f"{srv.url}/v1/prefixes/gone-{i}")[0] == 200
+    assert pinned_now() == (0, 0)
+
+
+async def _snapshot_pins(srv: ServerThread) -> tuple[int, int]:
+    """(pinned blocks in the engine, pinned blocks the registry accounts for), after a step."""
+    engine = srv.state.engine
+    registry = srv.state.registry
+    assert engine is not None and registry is not None
+    await engine.unpin_prefix([1])                         # a no-op command: a step, then fresh stats
+    return engine.stats().kv_blocks_pinned, sum(e.pinned_blocks for e in registry.local.values())
+
+
+@pytest.mark.parametrize("name", ["a\n", ".", "..", "x" * 65, "a b", "é"])
+def test_bad_prefix_names(srv: ServerThread, name: str) -> None:
+    status, err = http("POST", f"{srv.url}/v1/prefixes", {"name": name, "prompt": SYSTEM})
+    assert status == 400 and err["error"]["param"] == "name"
+
+
+def test_description_is_bounded(srv: ServerThread) -> None:
+    status, err = http("POST", f"{srv.url}/v1/prefixes", {"name": "big", "prompt": SYSTEM, "description": "d" * 5000})
+    assert status == 400 and err["error"]["param"] == "description"

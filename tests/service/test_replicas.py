@@ -172,3 +172,74 @@ def test_replicas_heartbeat_with_ttl(replicas: tuple[ServerProcess, ServerProces
     client.close()
     assert ttls and all(0 < t <= 10_000 for t in ttls)                  # liveness keys expire
     assert http("DELETE", f"{a.url}/v1/prefixes/beat")[0] == 200
+
+
+def pinned_matches_registry(srv: ServerProcess) -> bool:
+    status, body = http("GET", f"{srv.url}/v1/prefixes", timeout=10)
+    assert status == 200, body
+    return srv.metric("prefixserve_kv_blocks_pinned") == sum(p["num_pinned_blocks"] for p in body["data"]
+                                                             if p["loaded"])
+
+
+def test_reregistering_after_redis_came_back_empty_repins(replicas: tuple[ServerProcess, ServerProcess],
+                                                          redis: RedisServer) -> None:
+    """The local view still holds content A when Redis restarts empty; registering the name with content
+    B unpins A and pins B (it used to keep A pinned forever and never pin B)."""
+    a, b = replicas
+    assert http("POST", f"{a.url}/v1/prefixes", {"name": "again", "prompt": PROMPT + " A"})[0] == 201
+    wait_for(lambda: (listed(b, "again") or {}).get("loaded") is True, what="B to pin A")
+    import redis as redis_py
+    client = redis_py.Redis.from_url(redis.url)
+    client.flushall()                                   # the store comes back empty
+    client.close()
+    status, rec = http("POST", f"{a.url}/v1/prefixes", {"name": "again", "prompt": PROMPT + " and B, longer"})
+    assert status == 201, rec
+    for srv in (a, b):
+        wait_for(lambda srv=srv: (listed(srv, "again") or {}).get("num_tokens") == rec["num_tokens"],
+                 what="both replicas to hold B")
+        wait_for(lambda srv=srv: pinned_matches_registry(srv), what="pins to equal the registry")
+    assert http("DELETE", f"{b.url}/v1/prefixes/again")[0] == 200
+    for srv in (a, b):
+        wait_for(lambda srv=srv: srv.metric("prefixserve_kv_blocks_pinned") == 0, what="everything unpinned")
+
+
+def test_delete_racing_a_new_registration_leaves_no_orphans(replicas: tuple[ServerProcess, ServerProcess]) -> None:
+    a, b = replicas
+    for i in range(12):
+        assert http("POST", f"{a.url}/v1/prefixes", {"name": "flip", "prompt": PROMPT + f" v{i}"})[0] in (200, 201)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            deleted = pool.submit(http, "DELETE", f"{a.url}/v1/prefixes/flip")
+            created = pool.submit(http, "POST", f"{b.url}/v1/prefixes", {"name": "flip", "prompt": PROMPT + f" w{i}"})
+            assert deleted.result()[0] in (200, 404) and created.result()[0] in (200, 201, 409)
+        for srv in (a, b):
+            wait_for(lambda srv=srv: pinned_matches_registry(srv), what=f"round {i}: pins to equal the registry")
+        http("DELETE", f"{a.url}/v1/prefixes/flip")
+    for srv in (a, b):
+        wait_for(lambda srv=srv: srv.metric("prefixserve_kv_blocks_pinned") == 0, what="everything unpinned")
+
+
+def test_an_undecodable_record_is_skipped_and_never_blocks_warming(tiny_llama_dir: Path,
+                                                                   redis: RedisServer) -> None:
+    first = ServerProcess(replica_args(tiny_llama_dir, redis.url)).start()
+    try:
+        status, rec = http("POST", f"{first.url}/v1/prefixes", {"name": "good", "prompt": PROMPT + " good"})
+        assert status == 201
+        import redis as redis_py
+        client = redis_py.Redis.from_url(redis.url)
+        fp = rec["fingerprint"]
+        client.set(f"prefixserve:prefix:{fp}:bad", b"\xc1 not msgpack")     # a foreign writer
+        client.sadd(f"prefixserve:prefixes:{fp}", "bad")
+        status, listing = http("GET", f"{first.url}/v1/prefixes")
+        assert status == 200 and [p["name"] for p in listing["data"] if p["name"] in ("good", "bad")] == ["good"]
+        assert http("GET", f"{first.url}/v1/prefixes/bad")[0] == 503
+        assert http("POST", f"{first.url}/v1/prefixes", {"name": "bad", "prompt": PROMPT})[0] == 503
+    finally:
+        first.stop()
+    second = ServerProcess(replica_args(tiny_llama_dir, redis.url)).start()    # ready, warm with "good"
+    try:
+        assert (listed(second, "good") or {}).get("loaded") is True
+        assert http("DELETE", f"{second.url}/v1/prefixes/bad")[0] == 200
+        assert http("DELETE", f"{second.url}/v1/prefixes/good")[0] == 200
+        client.close()
+    finally:
+        second.stop()
