@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from importlib import resources
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -54,10 +54,18 @@ def create_app(config: ServiceConfig) -> web.Application:
     return app
 
 
+def server_options(config: ServiceConfig) -> dict[str, Any]:
+    """aiohttp's server options, for `prefixserve serve` (run_app) and `make_runner` alike.
+
+    keepalive_timeout also bounds a connection that never completes its request headers (aiohttp
+    starts the timer when the connection opens), so trickled headers cannot hold a connection forever."""
+    return {"handler_cancellation": True, "shutdown_timeout": config.shutdown_timeout, "access_log": None,
+            "keepalive_timeout": config.keepalive_timeout}
+
+
 def make_runner(app: web.Application) -> web.AppRunner:
-    """The runner tests and benchmarks use; `prefixserve serve` passes the same options to run_app."""
-    return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=app[STATE].config.shutdown_timeout,
-                         access_log=None)
+    """The runner tests and benchmarks use."""
+    return web.AppRunner(app, **server_options(app[STATE].config))
 
 
 async def _index(request: web.Request) -> web.FileResponse:

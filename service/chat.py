@@ -16,7 +16,7 @@ from service.state import STATE
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.ready_engine()
-    raw = await read_body(request)
+    raw = await read_body(request, state.config.body_timeout)
     model = state.model_name
     prepared = await off_loop(state.tokenizer_executor, lambda: prepare_chat(
         raw, engine.tokenizer, model, state.config.max_choices))

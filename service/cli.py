@@ -41,12 +41,11 @@ def serve(config: ServiceConfig) -> None:
     import uvloop
     from aiohttp import web
 
-    from service.app import create_app
+    from service.app import create_app, server_options
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     web.run_app(create_app(config), host=config.host, port=config.port, loop=uvloop.new_event_loop(),
-                handler_cancellation=True, shutdown_timeout=config.shutdown_timeout, access_log=None,
-                print=lambda msg: logging.getLogger("service").info(msg.strip()))
+                print=lambda msg: logging.getLogger("service").info(msg.strip()), **server_options(config))
 
 
 async def _generate(args: argparse.Namespace) -> None:

@@ -24,6 +24,9 @@ class ServiceConfig:
     max_body_bytes: int = knob(4 * 2**20, "larger request bodies get 413")
     max_choices: int = knob(128, "most prompts x n (and x best_of) per request")
     max_ws_generations: int = knob(64, "most concurrent generations per WebSocket")
+    keepalive_timeout: float = knob(30.0, "seconds an idle connection, or one whose request headers never "
+                                          "complete, is kept open")
+    body_timeout: float = knob(30.0, "seconds a request body may take to arrive (then 408)")
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -31,6 +34,8 @@ class ServiceConfig:
             (bool(self.host), "host must not be empty"),
             (self.shutdown_timeout >= 0, "shutdown_timeout must be >= 0"),
             (self.keepalive_interval > 0, "keepalive_interval must be > 0"),
+            (self.keepalive_timeout > 0, "keepalive_timeout must be > 0"),
+            (self.body_timeout > 0, "body_timeout must be > 0"),
             (self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
             (self.max_choices >= 1, "max_choices must be >= 1"),
             (self.max_ws_generations >= 1, "max_ws_generations must be >= 1"),

@@ -40,7 +40,7 @@ def _render(raw: bytes, tokenizer: Any) -> tuple[PrefixRequest, list[int], dict[
 async def create_prefix(request: web.Request) -> web.Response:
     registry = _registry(request)
     state = request.app[STATE]
-    raw = await read_body(request)
+    raw = await read_body(request, state.config.body_timeout)
     body, token_ids, source = await off_loop(state.tokenizer_executor,
                                              lambda: _render(raw, registry.engine.tokenizer))
     record, created = await registry.register(body.name, token_ids, source, body.description)

@@ -6,6 +6,7 @@ engine cannot honour yet with a 400 naming them, and tokenizes.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +31,14 @@ class GenerationRequest:
     user: str | None = None
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The raw body; 413 (client_max_size) surfaces as HTTPRequestEntityTooLarge."""
-    return await request.read()
+async def read_body(request: web.Request, timeout: float) -> bytes:
+    """The raw body; 413 (client_max_size) surfaces as HTTPRequestEntityTooLarge, a body that takes
+    longer than `timeout` seconds to arrive gets 408."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
 
 
 def parse_body(model: type[Any], raw: bytes | str | dict[str, Any]) -> Any:

@@ -45,7 +45,7 @@ def _detokenize(raw: bytes, tokenizer: Any, served: str, vocab_size: int) -> dic
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.ready_engine()
-    raw = await read_body(request)
+    raw = await read_body(request, state.config.body_timeout)
     out = await off_loop(state.tokenizer_executor,
                          lambda: _tokenize(raw, engine.tokenizer, state.model_name, engine.max_model_len))
     return web.json_response(out)
@@ -54,7 +54,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.ready_engine()
-    raw = await read_body(request)
+    raw = await read_body(request, state.config.body_timeout)
     out = await off_loop(state.tokenizer_executor,
                          lambda: _detokenize(raw, engine.tokenizer, state.model_name, engine.vocab_size))
     return web.json_response(out)
