@@ -24,6 +24,7 @@ class ServiceConfig:
     max_body_bytes: int = knob(4 * 2**20, "larger request bodies get 413")
     max_choices: int = knob(128, "most prompts x n (and x best_of) per request")
     max_ws_generations: int = knob(64, "most concurrent generations per WebSocket")
+    max_prefixes: int = knob(1024, "most registered prefixes (per model); beyond it registrations get 507")
     keepalive_timeout: float = knob(30.0, "seconds an idle connection, or one whose request headers never "
                                           "complete, is kept open")
     body_timeout: float = knob(30.0, "seconds a request body may take to arrive (then 408)")
@@ -38,6 +39,7 @@ class ServiceConfig:
             (self.body_timeout > 0, "body_timeout must be > 0"),
             (self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
             (self.max_choices >= 1, "max_choices must be >= 1"),
+            (self.max_prefixes >= 1, "max_prefixes must be >= 1"),
             (self.max_ws_generations >= 1, "max_ws_generations must be >= 1"),
             (self.served_model_name is None or bool(self.served_model_name.strip()),
              "served_model_name must not be blank"),

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from engine.errors import CapacityExceeded, EngineDead, EngineError, InvalidRequest, PinCapExceeded, QueueFull
 from prefix_store import PrefixConflict, StoreUnavailable
-from service.registry_errors import InvalidPrefix, PrefixNotFound, RegistryError
+from service.registry_errors import InvalidPrefix, PrefixNotFound, RegistryError, RegistryFull
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ def from_registry(exc: RegistryError | PrefixConflict | StoreUnavailable) -> Api
     """Maps the prefix registry's domain errors to HTTP: 404, 400, 409, 503."""
     if isinstance(exc, PrefixNotFound):
         return ApiError(404, exc.message, type="not_found_error", param=exc.param, code="prefix_not_found")
+    if isinstance(exc, RegistryFull):
+        return ApiError(507, exc.message, type="insufficient_storage", param=exc.param, code="registry_full")
     if isinstance(exc, InvalidPrefix):
         return ApiError(400, exc.message, param=exc.param, code="invalid_prefix")
     if isinstance(exc, PrefixConflict):

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineError
 from prefix_store import PrefixConflict, PrefixRecord, PrefixStore, ReplicaInfo, StoreUnavailable
-from service.registry_errors import InvalidPrefix, PrefixNotFound
+from service.registry_errors import InvalidPrefix, PrefixNotFound, RegistryFull
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,13 +48,14 @@ class LocalPrefix:
 
 class PrefixRegistry:
     def __init__(self, store: PrefixStore, engine: AsyncEngine, address: str = "",
-                 heartbeat_interval: float = 2.0) -> None:
+                 heartbeat_interval: float = 2.0, max_prefixes: int = 1024) -> None:
         self.store = store
         self.engine = engine
         self.fingerprint = engine.fingerprint
         self.replica_id = uuid.uuid4().hex[:12]
         self.address = address
         self.heartbeat_interval = heartbeat_interval
+        self.max_prefixes = max_prefixes
         self.local: dict[str, LocalPrefix] = {}
         self.ready = asyncio.Event()                # set once the first resync has warmed every prefix
         self.store_ok = True
@@ -181,6 +182,9 @@ class PrefixRegistry:
             existing = await self.store.get(self.fingerprint, name)
             if existing is not None and existing.token_ids != token_ids:
                 raise PrefixConflict(existing)
+            if existing is None and name not in self.local and len(self.local) >= self.max_prefixes:
+                raise RegistryFull(f"{len(self.local)} prefixes are registered, the most this server keeps "
+                                   f"(--max-prefixes {self.max_prefixes}); delete one first", param="name")
             entry = self.local.get(name)
             stale = entry is not None and entry.record.token_ids != token_ids   # a view the store no longer has
             pinned = None

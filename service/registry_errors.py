@@ -16,5 +16,9 @@ class PrefixNotFound(RegistryError):
     """No prefix of that name is registered for this model (HTTP 404)."""
 
 
+class RegistryFull(RegistryError):
+    """As many prefixes are registered as the server keeps (HTTP 507)."""
+
+
 class InvalidPrefix(RegistryError):
     """The prefix itself cannot be registered: empty, too long for the model (HTTP 400)."""

@@ -168,3 +168,17 @@ def test_bad_prefix_names(srv: ServerThread, name: str) -> None:
 def test_description_is_bounded(srv: ServerThread) -> None:
     status, err = http("POST", f"{srv.url}/v1/prefixes", {"name": "big", "prompt": SYSTEM, "description": "d" * 5000})
     assert status == 400 and err["error"]["param"] == "description"
+
+
+def test_registry_entries_are_capped(tiny_llama_dir: Path) -> None:
+    srv = ServerThread(tiny_config(tiny_llama_dir, max_model_len=1024, num_kv_blocks=64, max_prefixes=2)).start()
+    try:
+        for i in range(2):
+            assert http("POST", f"{srv.url}/v1/prefixes", {"name": f"p{i}", "prompt": f"{i} {SYSTEM}"})[0] == 201
+        status, err = http("POST", f"{srv.url}/v1/prefixes", {"name": "p2", "prompt": f"2 {SYSTEM}"})
+        assert status == 507 and err["error"]["code"] == "registry_full"
+        assert http("POST", f"{srv.url}/v1/prefixes", {"name": "p1", "prompt": f"1 {SYSTEM}"})[0] == 200
+        assert http("DELETE", f"{srv.url}/v1/prefixes/p0")[0] == 200
+        assert http("POST", f"{srv.url}/v1/prefixes", {"name": "p2", "prompt": f"2 {SYSTEM}"})[0] == 201
+    finally:
+        srv.stop()
