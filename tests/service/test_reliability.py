@@ -1,0 +1,218 @@
+"""The reliability suite: what a hostile or careless client does, against a real server process and a
+real redis-server on loopback, bounded in count and time. After every attack the same invariants hold:
+no 5xx but the documented ones, the engine idle, every used KV block pinned (nothing leaked), the pinned
+total equal to what the registry accounts for, and the server still answering."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis as redis_py
+import requests
+
+from tests.helpers.redis_server import RedisServer
+from tests.helpers.server import ServerProcess, http
+
+SYSTEM = "You are the reliability suite's system prompt; answer in one short line about caches. " * 3
+ALLOWED_5XX = {"503", "507"}      # store down / draining; pin cap or registry full: the API's contract
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    with RedisServer() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_llama_dir: Path, redis: RedisServer) -> Iterator[ServerProcess]:
+    args = ["--model", str(tiny_llama_dir), "--max-model-len", "256", "--num-kv-blocks", "96", "--block-size", "8",
+            "--redis-url", redis.url, "--keepalive-timeout", "1", "--body-timeout", "1", "--max-num-seqs", "32"]
+    with ServerProcess(args).start() as s:
+        yield s
+
+
+def _session() -> aiohttp.ClientSession:
+    """No pooled connections: the server under test drops idle ones after a second."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
+def statuses(srv: ServerProcess) -> dict[str, float]:
+    text = requests.get(f"{srv.url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("prefixserve_http_requests_total{"):
+            status = line.split('status="', 1)[1].split('"', 1)[0]
+            out[status] = out.get(status, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def settled(srv: ServerProcess, timeout: float = 30.0) -> None:
+    """The invariants, once the engine has drained what the attack started."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running, waiting = srv.metric("prefixserve_requests_running"), srv.metric("prefixserve_requests_waiting")
+        used, pinned = srv.metric("prefixserve_kv_blocks_used"), srv.metric("prefixserve_kv_blocks_pinned")
+        status, listing = http("GET", f"{srv.url}/v1/prefixes", timeout=10)
+        registry = sum(p["num_pinned_blocks"] for p in listing["data"] if p["loaded"]) if status == 200 else -1
+        if running == waiting == 0 and used == pinned == registry:
+            break
+        assert time.monotonic() < deadline, dict(running=running, waiting=waiting, used=used, pinned=pinned,
+                                                 registry=registry)
+        time.sleep(0.1)
+    assert http("POST", f"{srv.url}/v1/completions", {"prompt": "still there?", "max_tokens": 2})[0] == 200
+
+
+def attack(srv: ServerProcess, run: Callable[[], None]) -> None:
+    before = statuses(srv)
+    run()
+    settled(srv)
+    after = statuses(srv)
+    bad = {s: after[s] - before.get(s, 0) for s in after if s.startswith("5") and s not in ALLOWED_5XX
+           and after[s] > before.get(s, 0)}
+    assert not bad, bad
+
+
+def test_half_the_streams_cut(srv: ServerProcess) -> None:
+    async def one(s: aiohttp.ClientSession, i: int) -> None:
+        body = {"prompt": f"stream {i}", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        async with s.post(f"{srv.url}/v1/completions", json=body) as r:
+            async for _ in r.content:
+                if i % 2:
+                    return                                  # the client goes away mid-stream
+
+    async def run() -> None:
+        async with _session() as s:
+            await asyncio.gather(*(one(s, i) for i in range(40)))
+
+    attack(srv, lambda: asyncio.run(run()))
+
+
+def test_bodies_that_crash_parsers(srv: ServerProcess) -> None:
+    broken = [b"[" * 5000 + b"]" * 5000, b'{"prompt": "\\ud800"}', b'{"messages": [{"role": "user", "content": '
+              b'"\\udfff"}]}', b"\xff\xfe\x00", b'{"prompt": "x", "n": 1e400}']
+    heavy = [json.dumps({"prompt": "hi" * 20000}).encode(), json.dumps({"prompt": ["a"] * 5000}).encode()]
+
+    def run() -> None:
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/prefixes", "/tokenize", "/detokenize"):
+            for raw in broken + heavy:
+                r = requests.post(srv.url + path, data=raw, headers={"Content-Type": "application/json"}, timeout=30)
+                assert r.status_code < 500, (path, raw[:40], r.status_code, r.text[:200])
+                if raw in broken or path != "/tokenize":
+                    assert r.status_code >= 400, (path, raw[:40], r.status_code)
+    attack(srv, run)
+
+
+def test_websocket_storms(srv: ServerProcess) -> None:
+    async def run() -> None:
+        ws_url = srv.url.replace("http", "ws") + "/v1/ws"
+        async with _session() as s, s.ws_connect(ws_url) as ws:
+            for i in range(70):
+                await ws.send_json({"type": "generate", "id": i, "prompt": "hi", "max_tokens": 100, "ignore_eos": True})
+                await ws.send_json({"type": "cancel", "id": i})
+            await ws.send_str("[" * 4000)
+            await ws.send_str('{"type": "generate", "id": "s", "prompt": "\\ud800"}')
+            ended: set[int] = set()
+            while len(ended) < 70:                          # every generation ends (done, or 429 at the cap)
+                frame = json.loads((await asyncio.wait_for(ws.receive(), 30)).data)
+                if frame["type"] in ("done", "error") and isinstance(frame.get("id"), int):
+                    ended.add(frame["id"])
+            await ws.send_json({"type": "generate", "id": "last", "prompt": "hi", "max_tokens": 3})
+            while True:
+                frame = json.loads((await asyncio.wait_for(ws.receive(), 30)).data)
+                if frame.get("id") == "last" and frame["type"] in ("done", "error"):
+                    assert frame["type"] == "done"
+                    break
+        # and one socket closed with generations running
+        async with _session() as s, s.ws_connect(ws_url) as ws:
+            for i in range(5):
+                await ws.send_json({"type": "generate", "id": i, "prompt": "hi", "max_tokens": 200, "ignore_eos": True})
+            await ws.receive()
+    attack(srv, lambda: asyncio.run(run()))
+
+
+def test_clients_leaving_mid_registration_and_churn(srv: ServerProcess) -> None:
+    async def run() -> None:
+        async with _session() as s:
+            for i in range(10):
+                try:
+                    async with asyncio.timeout(0.003 * i):
+                        await s.post(f"{srv.url}/v1/prefixes", json={"name": f"leave-{i % 2}",
+                                                                     "prompt": f"{i % 2} {SYSTEM}"})
+                except TimeoutError:
+                    pass
+            posts = [s.post(f"{srv.url}/v1/prefixes", json={"name": "churn", "prompt": f"{i} {SYSTEM}"})
+                     for i in range(6)]
+            deletes = [s.delete(f"{srv.url}/v1/prefixes/churn") for _ in range(6)]
+            for r in await asyncio.gather(*posts, *deletes):
+                assert r.status in (200, 201, 404, 409), r.status
+        for name in ("leave-0", "leave-1", "churn"):
+            http("DELETE", f"{srv.url}/v1/prefixes/{name}")
+    attack(srv, lambda: asyncio.run(run()))
+
+
+def test_redis_dies_and_comes_back_empty(srv: ServerProcess, redis: RedisServer) -> None:
+    def run() -> None:
+        assert http("POST", f"{srv.url}/v1/prefixes", {"name": "kept", "prompt": SYSTEM})[0] == 201
+        redis.stop()
+        assert http("POST", f"{srv.url}/v1/completions", {"prompt": "go on", "max_tokens": 3})[0] == 200
+        assert http("POST", f"{srv.url}/v1/prefixes", {"name": "x", "prompt": SYSTEM + "x"})[0] == 503
+        redis.start()                                        # back, empty (no persistence)
+        deadline = time.monotonic() + 30
+        while http("GET", f"{srv.url}/v1/prefixes")[1]["data"]:   # the resync drops what the store lost
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert http("POST", f"{srv.url}/v1/prefixes", {"name": "kept", "prompt": SYSTEM + " v2"})[0] == 201
+        assert http("DELETE", f"{srv.url}/v1/prefixes/kept")[0] == 200
+    attack(srv, run)
+
+
+def test_a_foreign_record_in_redis(srv: ServerProcess, redis: RedisServer) -> None:
+    def run() -> None:
+        status, rec = http("POST", f"{srv.url}/v1/prefixes", {"name": "mine", "prompt": SYSTEM})
+        assert status == 201
+        client = redis_py.Redis.from_url(redis.url)
+        client.set(f"prefixserve:prefix:{rec['fingerprint']}:foreign", b"\x92\x01")
+        client.sadd(f"prefixserve:prefixes:{rec['fingerprint']}", "foreign")
+        assert http("GET", f"{srv.url}/v1/prefixes")[0] == 200
+        assert http("GET", f"{srv.url}/v1/prefixes/foreign")[0] == 503
+        assert http("DELETE", f"{srv.url}/v1/prefixes/foreign")[0] == 200
+        assert http("DELETE", f"{srv.url}/v1/prefixes/mine")[0] == 200
+        client.close()
+    attack(srv, run)
+
+
+def test_slow_and_huge_clients(srv: ServerProcess) -> None:
+    def run() -> None:
+        socks = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(100)]
+        for s in socks:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n")
+        big = {"prompt": ["the quick brown fox " * 200] * 100, "max_tokens": 1}
+        assert http("POST", f"{srv.url}/v1/completions", big, timeout=120)[0] in (200, 400)
+        for s in socks:
+            assert s.recv(100) == b""                       # dropped by the server
+            s.close()
+    attack(srv, run)
+
+
+def test_pins_squeeze_running_requests(srv: ServerProcess) -> None:
+    async def run() -> None:
+        async with _session() as s:
+            async def gen(i: int) -> int:
+                body = {"prompt": f"squeeze {i}", "max_tokens": 150, "ignore_eos": True}
+                async with s.post(f"{srv.url}/v1/completions", json=body) as r:
+                    return r.status
+            tasks = [asyncio.create_task(gen(i)) for i in range(8)]
+            await asyncio.sleep(0.2)
+            pins = [await s.post(f"{srv.url}/v1/prefixes", json={"name": f"sq{i}", "prompt": f"{i} " + SYSTEM})
+                    for i in range(3)]
+            assert all(p.status in (201, 507) for p in pins), [(p.status, await p.text()) for p in pins]
+            assert all(code in (200, 429) for code in await asyncio.gather(*tasks))
+            for i in range(3):
+                await s.delete(f"{srv.url}/v1/prefixes/sq{i}")
+    attack(srv, lambda: asyncio.run(run()))
