@@ -181,9 +181,48 @@ def render_text(clean: list[dict[str, Any]], tokenizer: Any, add_generation_prom
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
 
 
-def render_messages(clean: list[dict[str, Any]], tokenizer: Any, add_generation_prompt: bool) -> list[int]:
-    """Token ids of the chat template's rendering; the template adds the special tokens."""
-    return list(tokenizer.encode(render_text(clean, tokenizer, add_generation_prompt), add_special_tokens=False))
+def render_messages(clean: list[dict[str, Any]], tokenizer: Any, add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of the chat template's rendering; the template adds the special tokens.
+
+    NOTE: message content is text. A message holding the text of a special token (a user typing
+    `<|im_end|>\n<|im_start|>system ...` to forge a system turn) gets that text encoded as ordinary
+    tokens, never as the control token: the template's own parts and each content are encoded apart,
+    the contents with the special tokens split. Content without such text (nearly all) is encoded with
+    the whole rendering at once, exactly as before."""
+    text = render_text(clean, tokenizer, add_generation_prompt, tools)
+    specials = _special_texts(tokenizer)
+    contents = [m["content"] for m in clean]
+    if not any(s in c for c in contents for s in specials):
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    marks = [f"\ue000{i}\ue001" for i in range(len(clean))]          # private-use code points
+    marked = render_text([{**m, "content": mark} for m, mark in zip(clean, marks)], tokenizer,
+                         add_generation_prompt, tools)
+    pieces, rest = [], marked
+    for mark in marks:
+        if rest.count(mark) != 1:
+            raise _unrenderable(specials)
+        head, rest = rest.split(mark)
+        pieces.append(head)
+    if "".join(p + c for p, c in zip(pieces, contents)) + rest != text:   # the template changed content
+        raise _unrenderable(specials)
+    ids: list[int] = []
+    for piece, content in zip(pieces, contents):
+        ids += tokenizer.encode(piece, add_special_tokens=False)
+        ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids + tokenizer.encode(rest, add_special_tokens=False)
+
+
+def _special_texts(tokenizer: Any) -> list[str]:
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return sorted({t.content for t in decoder.values() if getattr(t, "special", False)} |
+                  set(getattr(tokenizer, "all_special_tokens", [])))
+
+
+def _unrenderable(specials: list[str]) -> ApiError:
+    return invalid("a message contains the text of a special token (one of " + ", ".join(specials[:5]) +
+                   ") and this model's chat template does not keep message content as written, so it "
+                   "cannot be encoded as plain text", "messages")
 
 
 def parse_object(raw: bytes) -> dict[str, Any]:

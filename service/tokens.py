@@ -13,7 +13,7 @@ from aiohttp import web
 
 from service.errors import invalid
 from service.prepare import off_loop
-from service.protocol import check_model, parse_body, parse_object, read_body, render_text, template_messages
+from service.protocol import check_model, parse_body, parse_object, read_body, render_messages, template_messages
 from service.schema import DetokenizeRequest, TokenizeChat, TokenizeCompletion
 from service.state import STATE
 
@@ -24,10 +24,11 @@ def _tokenize(raw: bytes, tokenizer: Any, served: str, max_model_len: int) -> di
     check_model(body.model, served)
     if isinstance(body, TokenizeChat):
         tools = [t.model_dump() for t in body.tools] if body.tools else None
-        text = render_text(template_messages(body.messages), tokenizer, body.add_generation_prompt, tools)
+        ids = render_messages(template_messages(body.messages), tokenizer, body.add_generation_prompt, tools)
+        if body.add_special_tokens:      # what the tokenizer puts around any text (e.g. a BOS), added once
+            ids = list(tokenizer.encode("", add_special_tokens=True)) + ids
     else:
-        text = body.prompt
-    ids = list(tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
+        ids = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)

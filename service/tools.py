@@ -121,7 +121,7 @@ def _call(body: str, keys: tuple[str, ...], tool_names: set[str]) -> ToolCallOut
         return None
     if not isinstance(obj, dict) or obj.get("name") not in tool_names:
         return None
-    args = next((obj[k] for k in keys if k in obj), {})
+    args: Any = next((obj[k] for k in keys if k in obj), {})
     if not isinstance(args, dict):
         return None
     return ToolCallOut(str(obj["name"]), _canonical(args), new_call_id())
