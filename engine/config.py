@@ -7,6 +7,7 @@ field into a flag (`--block-size`) and an environment variable (`PREFIXSERVE_BLO
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -36,6 +37,8 @@ class EngineConfig:
     enable_prefix_caching: bool = knob(True, "share full KV blocks between requests with the same prefix")
     pinned_fraction: float = knob(0.5, "cap on pinned (registered-prefix) blocks, as a share of all blocks")
     torch_threads: int | None = knob(None, "torch intra-op threads (default: torch's)")
+    chat_template: str | None = knob(None, "a Jinja chat template (a file, or the template itself) replacing "
+                                           "the checkpoint's")
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -50,6 +53,9 @@ class EngineConfig:
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
             (0.0 <= self.pinned_fraction <= 1.0, "pinned_fraction must be within [0, 1]"),
             (self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1"),
+            (self.chat_template is None or "{{" in self.chat_template or "{%" in self.chat_template
+             or Path(self.chat_template).expanduser().is_file(),
+             f"chat_template {self.chat_template!r} is neither a file nor a Jinja template"),
         ]
         for ok, message in checks:
             if not ok:

@@ -25,6 +25,7 @@ from engine.errors import CapacityExceeded, EngineError, InvalidRequest, QueueFu
 from engine.forks import Forks
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
+from engine.models.chat_template import override_chat_template, read_chat_template
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import RequestTimes
 from engine.sampler import Sampler, make_generator
@@ -74,6 +75,8 @@ class EngineCore:
                 from engine.models.demo import demo_model_path
                 model = str(demo_model_path())
             loaded = load_model(model, device=config.device, dtype=config.dtype)
+        if config.chat_template is not None:
+            override_chat_template(loaded, read_chat_template(config.chat_template))
         self.loaded = loaded
         args = loaded.args
         limit = args.max_position_embeddings

@@ -142,3 +142,25 @@ def test_special_token_text_in_content_is_plain_text(server: ServerThread, clien
     plain = _post(server, "/tokenize", {"messages": honest}).json()["tokens"]   # content without: as before
     assert plain == tok.encode(tok.apply_chat_template(honest, tokenize=False, add_generation_prompt=True),
                                add_special_tokens=False)
+
+
+def test_chat_template_override(tiny_llama_dir: Any, tmp_path: Any) -> None:
+    """--chat-template FILE replaces the checkpoint's template: the prompt is rendered by it, and the
+    fingerprint (the registry's key) changes with it."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    from tests.helpers.server import tiny_config
+    plain = ServerThread(tiny_config(tiny_llama_dir)).start()
+    custom = ServerThread(tiny_config(tiny_llama_dir, chat_template=str(template))).start()
+    try:
+        ids = _post(custom, "/tokenize", {"messages": MSG}).json()["tokens"]
+        tok = custom.state.engine.tokenizer  # type: ignore[union-attr]
+        assert tok.decode(ids) == "[user] hi\n[assistant] "
+        assert custom.state.engine.fingerprint != plain.state.engine.fingerprint  # type: ignore[union-attr]
+    finally:
+        custom.stop()
+        plain.stop()
+    from service.config import ServiceConfig
+    with pytest.raises(ValueError, match="chat_template"):
+        ServiceConfig.from_flat(model=str(tiny_llama_dir), chat_template="/nope.jinja")
