@@ -29,7 +29,7 @@ from engine.models.chat_template import override_chat_template, read_chat_templa
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import RequestTimes
 from engine.sampler import Sampler, make_generator
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import EngineRequest, SamplingParams, Sequence, SequenceGroup
 from kernels import get_backend
 
@@ -221,7 +221,11 @@ class EngineCore:
         if not sched.scheduled:
             return out
         tables = [self.manager.block_table(s.seq.seq_id) for s in sched.scheduled]
-        logits = self.runner.execute(sched.scheduled, tables, sched.copies)
+        extra_rows, prompt_targets = self._prompt_logprob_rows(sched.scheduled)
+        step_logits = self.runner.execute(sched.scheduled, tables, sched.copies, extra_rows)
+        logits = step_logits.sample
+        if step_logits.extra is not None:
+            self._prompt_logprobs(step_logits.extra, prompt_targets)
         self.scheduler.update(sched)
         rows: list[int] = []
         targets: list[Sequence] = []
@@ -248,6 +252,36 @@ class EngineCore:
                 self._count_token(group, len(group.seqs))
                 self.forks.beam_step(group)
         return out
+
+    def _prompt_logprob_rows(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[tuple[Sequence, int]]]:
+        """Rows of the flattened batch whose logits give prompt log-probabilities (position p predicts
+        prompt token p + 1), and for each row its sequence and the position of the token it predicts."""
+        rows: list[int] = []
+        targets: list[tuple[Sequence, int]] = []
+        offset = 0
+        for s in scheduled:
+            seq = s.seq
+            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+                # from the first position not done yet: a prefill restarted by preemption skips the rest
+                start = max(seq.num_computed, len(seq.prompt_logprobs) - 1)
+                for p in range(start, min(seq.num_computed + s.num_new, seq.num_prompt_tokens - 1)):
+                    rows.append(offset + p - seq.num_computed)
+                    targets.append((seq, p + 1))
+            offset += s.num_new
+        return rows, targets
+
+    def _prompt_logprobs(self, logits: torch.Tensor, targets: list[tuple[Sequence, int]]) -> None:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)                       # [R, V]
+        ids = torch.tensor([seq.token_ids[pos] for seq, pos in targets], device=logprobs.device)
+        chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+        k = max(seq.params.prompt_logprobs or 0 for seq, _ in targets)
+        top_v, top_i = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        for (seq, pos), token, lp, vs, ix in zip(targets, ids.tolist(), chosen, top_v.tolist(), top_i.tolist()):
+            assert seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == pos
+            n = seq.params.prompt_logprobs or 0
+            entry = dict(zip(ix[:n], vs[:n]))
+            entry[token] = lp
+            seq.prompt_logprobs.append(entry)
 
     def _sample(self, logits: torch.Tensor, targets: list[Sequence]) -> None:
         """One token for each target row; then the token-level stop rules."""

@@ -6,6 +6,8 @@ Per step the runner builds, with numpy rather than per-token Python loops:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -13,6 +15,12 @@ from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledSeq
 from kernels import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class StepLogits:
+    sample: torch.Tensor                 # [N, V]: one row per sampling sequence
+    extra: torch.Tensor | None = None    # [R, V]: the extra rows asked for, in order
 
 
 class ModelRunner:
@@ -61,9 +69,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], block_tables: list[list[int]],
-                copies: list[tuple[int, int]]) -> torch.Tensor:
-        """Runs one step; returns float32 logits [N, V] for the sequences with `sample` set, in order."""
+                copies: list[tuple[int, int]], extra_rows: list[int] | None = None) -> StepLogits:
+        """Runs one step: float32 logits [N, V] for the sequences with `sample` set, in order, and for
+        `extra_rows` (rows of the flattened batch: prompt positions whose log-probabilities were asked)."""
         self.kv_cache.copy_blocks(copies, self.backend)
         input_ids, positions, md, logits_indices = self.prepare(batch, block_tables)
         hidden = self.model(input_ids, positions, self.kv_cache.key, self.kv_cache.value, md, self.backend)
-        return self.model.compute_logits(hidden[logits_indices])
+        extra = None
+        if extra_rows:
+            extra = self.model.compute_logits(hidden[torch.tensor(extra_rows, dtype=torch.long, device=self.device)])
+        return StepLogits(self.model.compute_logits(hidden[logits_indices]), extra)

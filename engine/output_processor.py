@@ -33,6 +33,7 @@ class _RequestText:
         self.tokenizer = tokenizer
         self.group = group
         self.detoks: dict[int, IncrementalDetokenizer] = {}    # seq_id -> its detokenizer
+        self.told_finished: set[int] = set()                   # output indices whose finish went out
 
     def of(self, seq: Sequence) -> IncrementalDetokenizer:
         detok = self.detoks.get(seq.seq_id)
@@ -77,8 +78,7 @@ class OutputProcessor:
                 result = self._output(group, deltas.get(rid, []))
             except Exception as exc:
                 self._fail(rid, exc)
-                self._requests.pop(rid, None)
-                result = self._request_output(group, self._aborted_seqs(group, set()))
+                result = self._request_output(group, self._untold(group, self._requests.pop(rid, None), []))
             if result is not None:
                 results.append(result)
         return results
@@ -87,7 +87,7 @@ class OutputProcessor:
         """The last output of a request the caller (or the engine) ended."""
         state = self._requests.pop(group.request_id, None)
         if group.streams or state is None:
-            return self._request_output(group, self._aborted_seqs(group, set()))
+            return self._request_output(group, self._untold(group, state, []))
         return self._request_output(group, self._final(group, state))
 
     # -- internals ----------------------------------------------------------------------------
@@ -106,18 +106,24 @@ class OutputProcessor:
         return self._completion(seq, [token], text)
 
     def _output(self, group: SequenceGroup, deltas: list[CompletionOutput]) -> RequestOutput | None:
+        state = self._requests[group.request_id]
+        state.told_finished.update(d.index for d in deltas if d.finish_reason is not None)
         if group.finished:
-            state = self._requests.pop(group.request_id)
+            del self._requests[group.request_id]
             if not group.streams:
                 return self._request_output(group, self._final(group, state))
-            # ended by the engine: every sequence it cut short says so
-            return self._request_output(group, deltas + self._aborted_seqs(group, {d.index for d in deltas}))
+            return self._request_output(group, self._untold(group, state, deltas))
         if group.streams and deltas:
             return self._request_output(group, deltas)
         return None
 
-    def _aborted_seqs(self, group: SequenceGroup, told: set[int]) -> list[CompletionOutput]:
-        return [self._completion(s, [], "") for s in group.seqs if s.finish_reason == "abort" and s.index not in told]
+    def _untold(self, group: SequenceGroup, state: _RequestText | None,
+                deltas: list[CompletionOutput]) -> list[CompletionOutput]:
+        """`deltas`, then an empty delta for every sequence that ended without its finish going out (cut
+        short by the engine or the caller, or ended before its first token, as max_tokens=0 does)."""
+        told = (state.told_finished if state is not None else set()) | {d.index for d in deltas
+                                                                          if d.finish_reason is not None}
+        return deltas + [self._completion(s, [], "") for s in group.seqs if s.finished and s.index not in told]
 
     def _final(self, group: SequenceGroup, state: _RequestText) -> list[CompletionOutput]:
         """The n best of a non-streaming request: by cumulative log-probability, or the beam hypotheses."""
@@ -139,9 +145,13 @@ class OutputProcessor:
             logprobs=seq.logprobs[-len(delta_ids):] if seq.logprobs and delta_ids else None)
 
     def _request_output(self, group: SequenceGroup, outs: list[CompletionOutput]) -> RequestOutput:
+        prompt_logprobs = group.first.prompt_logprobs
+        if prompt_logprobs is not None and len(prompt_logprobs) < len(group.prompt_token_ids):
+            prompt_logprobs = None                   # not all computed yet (a chunked prefill)
         return RequestOutput(group.request_id, group.prompt_token_ids, outs, group.finished,
                              num_cached_tokens=max(group.first.num_cached_tokens, 0), error=group.error,
-                             times=group.times, num_generated_tokens=group.num_generated_tokens)
+                             times=group.times, num_generated_tokens=group.num_generated_tokens,
+                             prompt_logprobs=prompt_logprobs)
 
     def _fail(self, request_id: str, exc: Exception) -> None:
         log.exception("request %s failed while its output was processed", request_id)

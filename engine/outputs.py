@@ -51,6 +51,7 @@ class RequestOutput:
     error: EngineError | None = None    # set when the engine had to end the request itself
     times: RequestTimes | None = None
     num_generated_tokens: int = 0       # every token sampled for the request (all samples and beams)
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token, once all are computed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,11 +78,13 @@ class RequestOutput:
         self.error = delta.error or self.error
         self.times = delta.times or self.times
         self.num_generated_tokens = delta.num_generated_tokens
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs
         return self
 
     def copy(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_token_ids, [o.copy() for o in self.outputs], self.finished,
-                             self.num_cached_tokens, self.error, self.times, self.num_generated_tokens)
+                             self.num_cached_tokens, self.error, self.times, self.num_generated_tokens,
+                             self.prompt_logprobs)
 
 
 @dataclass(frozen=True)

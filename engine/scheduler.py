@@ -15,7 +15,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, PrefixHit
 from engine.sequence import Sequence, Status
 
 
@@ -121,7 +121,9 @@ class Scheduler:
             seq = self.waiting[0]
             if self.manager.enable_prefix_caching:
                 seq.block_hashes = self.manager.block_hashes(seq.token_ids, seq.block_hashes)
-            hit = self.manager.lookup(seq.token_ids, seq.block_hashes)
+            # prompt log-probabilities need every prompt position computed: no prefix-cache hit then
+            hit = self.manager.lookup(seq.token_ids, seq.block_hashes) if seq.params.prompt_logprobs is None \
+                else PrefixHit((), 0)
             num_new = min(seq.num_tokens - hit.num_tokens, budget)
             # keep a small watermark of free blocks for running decodes, so admissions do not thrash
             if (self.running and self.manager.blocks_needed(seq.seq_id, hit.num_tokens + num_new, hit)

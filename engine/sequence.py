@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None         # top-k log-probabilities per sampled token
+    prompt_logprobs: int | None = None  # top-k log-probabilities per prompt token (the prompt is computed whole)
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True | False | "never" (transformers' meanings)
@@ -51,6 +52,11 @@ class SamplingParams:
              "stop_token_ids must be non-negative integers"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              "logprobs", "logprobs must be within [0, 20]"),
+            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and
+                                              0 <= self.prompt_logprobs <= 20),
+             "prompt_logprobs", "prompt_logprobs must be within [0, 20]"),
+            (self.prompt_logprobs is None or not self.use_beam_search, "prompt_logprobs",
+             "prompt log-probabilities are not reported for beam search"),
             (self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer"),
             (self.best_of <= 64, "best_of", "best_of (and n) must be <= 64"),
             (not self.use_beam_search or (self.top_p == 1.0 and self.top_k in (-1, 0)), "use_beam_search",
@@ -111,6 +117,9 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # per prompt token (None for the first, which nothing predicts); filled while the prompt computes
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.group: SequenceGroup | None = None
         self.index = 0                        # output index within its request
         self.pending_logprobs: torch.Tensor | None = None  # beam search: next-token log-probs awaiting siblings

@@ -10,6 +10,7 @@ from service.logprobs import CompletionLogprobs
 from service.prepare import off_loop, prepare_completion
 from service.protocol import GenerationRequest, read_body
 from service.respond import respond
+from service.schema import CompletionRequest
 from service.state import STATE
 
 
@@ -38,7 +39,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             out["prompt_token_ids"] = gen.prompts
         return out
 
-    return await respond(request, prompts, req, head=head, chunks=chunks, body=body_of)
+    assert isinstance(prepared.body, CompletionRequest)
+    prompt = prepared.body.prompt
+    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)] or None
+    return await respond(request, prompts, req, head=head, chunks=chunks, body=body_of, texts=texts)
 
 
 def _choice(d: ChoiceDelta, req: GenerationRequest, logprobs: CompletionLogprobs | None) -> dict[str, Any]:

@@ -30,7 +30,8 @@ class ChoiceDelta:
     text: str
     token_ids: list[int]
     finish_reason: str | None       # set on a choice's last delta
-    logprobs: list[dict[int, float]] | None = None    # per token of this delta, when asked for
+    logprobs: list[dict[int, float] | None] | None = None   # per token of this delta, when asked for
+                                                            # (None for an echoed prompt's first token)
 
 
 @dataclass
@@ -47,7 +48,8 @@ class Usage:
 
 class Generation:
     def __init__(self, engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
-                 metrics: Metrics, on_finish: Callable[[Usage], None] | None = None) -> None:
+                 metrics: Metrics, on_finish: Callable[[Usage], None] | None = None,
+                 echo: list[str] | None = None) -> None:
         self.id = uuid.uuid4().hex
         self.created = int(time.time())
         self.prompts = prompts
@@ -63,6 +65,8 @@ class Generation:
         self._started: set[int] = set()           # prompts whose first token went out
         self._on_finish = on_finish               # called once, when every request has finished
         self._closed = False
+        self._echo = echo                         # per prompt, its text, put before each of its choices
+        self._echoed: set[int] = set()            # choices whose first delta carried the prompt
 
     @property
     def num_choices(self) -> int:
@@ -109,8 +113,15 @@ class Generation:
             self.usage.completion_tokens += len(o.token_ids)
             if o.finish_reason is not None:
                 self._finished.add(index)
-            deltas.append(ChoiceDelta(index, o.text, list(o.token_ids), o.finish_reason,
-                                      list(o.logprobs) if o.logprobs is not None else None))
+            d = ChoiceDelta(index, o.text, list(o.token_ids), o.finish_reason,
+                            list(o.logprobs) if o.logprobs is not None else None)
+            if self._echo is not None and index not in self._echoed:
+                self._echoed.add(index)
+                d.text = self._echo[prompt] + d.text
+                d.token_ids = self.prompts[prompt] + d.token_ids
+                if d.logprobs is not None or out.prompt_logprobs is not None:
+                    d.logprobs = list(out.prompt_logprobs or [None] * len(self.prompts[prompt])) + (d.logprobs or [])
+            deltas.append(d)
         if out.finished:
             self._open -= 1
             self.usage.cached_tokens += out.num_cached_tokens

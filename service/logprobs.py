@@ -67,28 +67,34 @@ class CompletionLogprobs:
         self._tokens = tokens
         self._offsets: dict[int, int] = {}      # choice index -> characters of token strings so far
 
-    def format(self, index: int, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, Any]:
+    def format(self, index: int, token_ids: list[int], logprobs: list[dict[int, float] | None]) -> dict[str, Any]:
+        """`logprobs[i]` None: nothing predicts that token (an echoed prompt's first): null in the answer."""
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = self._offsets.get(index, 0)
         for token_id, top in zip(token_ids, logprobs):
             text = self._tokens.text(token_id)
             out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if top is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
             out["token_logprobs"].append(top[token_id])
             ranked: dict[str, float] = {}
             for tid, lp in sorted(top.items(), key=lambda kv: -kv[1]):
                 ranked.setdefault(self._tokens.text(tid), lp)   # two ids, one string: keep the likelier
             out["top_logprobs"].append(ranked)
-            out["text_offset"].append(offset)
-            offset += len(text)
         self._offsets[index] = offset
         return out
 
 
-def chat_logprobs(tokens: TokenText, token_ids: list[int], logprobs: list[dict[int, float]],
+def chat_logprobs(tokens: TokenText, token_ids: list[int], logprobs: list[dict[int, float] | None],
                   top_k: int) -> dict[str, Any]:
     """Chat shape: every sampled token, and the `top_k` most likely alternatives at its place."""
     content = []
     for token_id, top in zip(token_ids, logprobs):
+        assert top is not None, "chat answers hold sampled tokens only"
         ranked = sorted(top.items(), key=lambda kv: -kv[1])[:top_k]
         content.append({**_entry(tokens, token_id, top[token_id]),
                         "top_logprobs": [_entry(tokens, tid, lp) for tid, lp in ranked]})

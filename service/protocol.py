@@ -29,6 +29,7 @@ class GenerationRequest:
     return_token_ids: bool = False
     prefix: str | None = None
     user: str | None = None
+    echo: bool = False              # completions: the prompt goes before each choice's text (and logprobs)
 
 
 async def read_body(request: web.Request, timeout: float) -> bytes:
@@ -71,10 +72,9 @@ UNSUPPORTED_FIELDS = {
     "tools": "tool calls are not supported by this server yet",
     "tool_choice": "tool calls are not supported by this server yet",
     "parallel_tool_calls": "tool calls are not supported by this server yet",
-    "echo": "echo is not supported: the prompt is not returned",
     "suffix": "suffix (insertion) is not supported",
 }
-_NEUTRAL: dict[str, Any] = {"echo": False, "suffix": "", "tool_choice": "none", "parallel_tool_calls": True}
+_NEUTRAL: dict[str, Any] = {"suffix": "", "tool_choice": "none", "parallel_tool_calls": True}
 
 
 def _unsupported(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[str, str]]:
@@ -94,6 +94,9 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
     if refused:
         raise invalid(refused[0][1], refused[0][0])
     max_tokens = req.max_tokens
+    echo = isinstance(req, CompletionRequest) and bool(req.echo)
+    if max_tokens == 0 and not echo:
+        raise invalid("max_tokens must be >= 1 (0 is for scoring a prompt with echo)", "max_tokens")
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
     n = req.n or 1
@@ -111,6 +114,7 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
             seed=req.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos), logprobs=logprobs, use_beam_search=bool(req.use_beam_search),
+            prompt_logprobs=logprobs if echo else None,
             early_stopping=False if req.early_stopping is None else req.early_stopping,
             length_penalty=1.0 if req.length_penalty is None else req.length_penalty)
     except InvalidRequest as exc:
@@ -118,7 +122,8 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
     options = req.stream_options
     return GenerationRequest(params=params, stream=bool(req.stream),
                              include_usage=bool(options and options.include_usage),
-                             return_token_ids=bool(req.return_token_ids), prefix=req.prefix, user=req.user)
+                             return_token_ids=bool(req.return_token_ids), prefix=req.prefix, user=req.user,
+                             echo=echo)
 
 
 def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:

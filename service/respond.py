@@ -19,11 +19,16 @@ HeadFn = Callable[[Generation], dict[str, Any]]                       # id, obje
 
 
 async def respond(request: web.Request, prompts: list[list[int]], req: GenerationRequest, *,
-                  head: HeadFn, chunks: ChunkFn, body: BodyFn) -> web.StreamResponse:
+                  head: HeadFn, chunks: ChunkFn, body: BodyFn, texts: list[str] | None = None) -> web.StreamResponse:
+    """`texts`: the prompts as the client wrote them, when it did (echo returns them as written)."""
     state = request.app[STATE]
     engine = state.ready_engine()
     prompts = with_prefix(request.app, req.prefix, prompts)
-    gen = Generation(engine, prompts, req.params, request.app[METRICS], on_prefix_use(request.app, req.prefix))
+    echo = None
+    if req.echo:
+        echo = texts if texts is not None and req.prefix is None else [engine.tokenizer.decode(p) for p in prompts]
+    gen = Generation(engine, prompts, req.params, request.app[METRICS], on_prefix_use(request.app, req.prefix),
+                     echo=echo)
     try:
         await gen.start()
         if req.stream:

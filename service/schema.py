@@ -151,7 +151,7 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[NonEmptyStr], Field(min_length=1)]
              | TokenIds | Annotated[list[TokenIds], Field(min_length=1)])
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16       # 0 only with echo (score the prompt)
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = None
     suffix: str | None = None

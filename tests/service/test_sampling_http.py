@@ -239,3 +239,46 @@ async def test_websocket_n_best_of_and_logprobs(server: ServerThread, model_name
     assert sorted(f["index"] for f in beams) == [0, 1] and all(len(f["token_ids"]) == 6 for f in beams)
     (done,) = [f for f in frames if f["type"] == "done" and f["id"] == "b"]
     assert [c["finish_reason"] for c in done["choices"]] == ["length", "length"]
+
+
+def test_echo_scores_the_prompt_like_transformers(client: OpenAI, model_name: str, hf: tuple[Any, Any],
+                                                  server: ServerThread) -> None:
+    """What lm-eval sends for a log-likelihood: echo, max_tokens 0, logprobs. The prompt comes back as the
+    text, with the log-probability transformers gives each prompt token (the first has none)."""
+    tok, model = hf
+    ids = tok(PROMPT).input_ids
+    ref = _teacher_forced(model, ids[:1], ids[1:])                      # [len - 1, V]
+    for _ in range(2):                                                  # the second time the prompt is cached
+        out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+        choice = out.choices[0]
+        assert choice.text == PROMPT and choice.finish_reason == "length"
+        lp = choice.logprobs
+        assert lp.tokens == [tok.decode([t]) for t in ids] and lp.token_logprobs[0] is None
+        torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), ref[range(len(ids) - 1), ids[1:]],
+                                   atol=LOGPROB_TOL, rtol=0)
+        assert lp.top_logprobs[0] is None and all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+        assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens_details.cached_tokens == 0
+    # echo with generation, streamed: the prompt leads the first chunk, then the tokens follow
+    stream = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, echo=True, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    text = "".join(c.choices[0].text for c in stream)
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    assert text == PROMPT + plain
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0)
+    assert exc.value.param == "max_tokens"
+
+
+def test_prompt_logprobs_survive_chunked_prefill(tiny_llama_dir: Path, hf: tuple[Any, Any]) -> None:
+    from engine import LLM, SamplingParams
+    tok, model = hf
+    ids = tok(PROMPT * 6).input_ids
+    ref = _teacher_forced(model, ids[:1], ids[1:])
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=256, max_num_batched_tokens=16)
+    llm.generate([ids], SamplingParams(max_tokens=1, temperature=0))           # warm the cache: it is skipped
+    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+    assert out.num_cached_tokens == 0 and out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    got = [d[t] for d, t in zip(out.prompt_logprobs[1:], ids[1:])]             # type: ignore[index]
+    torch.testing.assert_close(torch.tensor(got), ref[range(len(ids) - 1), ids[1:]], atol=LOGPROB_TOL, rtol=0)
+    assert llm.stats().kv_blocks_used == 0
