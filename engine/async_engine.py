@@ -142,7 +142,7 @@ class AsyncEngine:
         self.tokenizer_version = self.engine.loaded.tokenizer_version
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.core.vocab_size
-        self.model_name = "prefixserve-demo" if config.model is None else self.engine.loaded.path.name
+        self.model_name = self.engine.loaded.name
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}                        # loop side
         self._pin_futures: dict[str, asyncio.Future[PinnedPrefix]] = {}      # loop side

@@ -60,6 +60,13 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.model is not None:
+            path = Path(self.model).expanduser()
+            if self.model.endswith(".gguf") and not path.is_file():
+                raise ValueError(f"model {self.model!r}: no such GGUF file")
+            if not self.model.endswith(".gguf") and not (path / "config.json").is_file():
+                raise ValueError(f"model {self.model!r} is neither a .gguf file nor a Hugging Face checkpoint "
+                                 "directory (a directory with config.json)")
         if self.attention_backend is None:
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
         if self.attention_backend not in ATTENTION_BACKENDS:

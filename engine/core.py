@@ -26,6 +26,8 @@ from engine.forks import Forks
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.models.chat_template import override_chat_template, read_chat_template
+from engine.models.default import NAME as DEFAULT_NAME
+from engine.models.default import default_model_path
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import RequestTimes
 from engine.sampler import Sampler, make_generator
@@ -72,9 +74,10 @@ class EngineCore:
         if loaded is None:
             model = config.model
             if model is None:
-                from engine.models.demo import demo_model_path
-                model = str(demo_model_path())
+                model = str(default_model_path())
             loaded = load_model(model, device=config.device, dtype=config.dtype)
+            if config.model is None:
+                loaded.name = DEFAULT_NAME
         if config.chat_template is not None:
             override_chat_template(loaded, read_chat_template(config.chat_template))
         self.loaded = loaded

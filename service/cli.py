@@ -85,6 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:  # a config that does not validate
         raise SystemExit(f"prefixserve: {exc}") from None
     if args.command == "serve":
-        serve(config)
+        try:
+            serve(config)
+        except OSError as exc:    # the port is taken, the address is not ours, ...
+            raise SystemExit(f"prefixserve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") \
+                from None
     else:
-        asyncio.run(_generate(args))
+        try:
+            asyncio.run(_generate(args))
+        except FileNotFoundError as exc:   # the built-in model is not installed
+            raise SystemExit(f"prefixserve: {exc}") from None

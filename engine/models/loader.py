@@ -1,6 +1,6 @@
-"""Load a Hugging Face checkpoint directory: config.json, safetensors weights (sharded or not), tokenizer.
-
-A hub id goes through huggingface_hub's snapshot_download where a network allows.
+"""Load a model: a Hugging Face checkpoint directory (config.json, safetensors weights sharded or not,
+tokenizer) or a GGUF file (converted once to such a directory, engine/models/gguf.py). No hub access:
+a model is a local path.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from engine.models.gguf import checkpoint_dir, is_gguf, stored_fingerprint
 from engine.models.llama import LlamaForCausalLM, ModelArgs, rope_inv_freq
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,20 +29,26 @@ class LoadedModel:
     fingerprint: str                # hex; seeds the prefix-cache hashes
     tokenizer_version: str          # hex of tokenizer files + chat template
     eos_token_ids: list[int]
+    name: str = ""                  # what the API calls it: the directory's or the .gguf file's name
+
+
+def default_cache_dir() -> Path:
+    """Where converted checkpoints go: $XDG_CACHE_HOME/prefixserve, else ~/.cache/prefixserve."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "prefixserve"
 
 
 def resolve_model_path(model: str) -> Path:
+    """A checkpoint directory: `model` itself, or the directory a .gguf file converts to."""
     path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if os.sep in model and not path.exists() and model.count("/") > 1:
-        raise FileNotFoundError(f"model directory {model!r} does not exist")
-    try:
-        from huggingface_hub import snapshot_download
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
-    except Exception as exc:  # no network, unknown id, ...
-        raise FileNotFoundError(
-            f"{model!r} is neither a local checkpoint directory nor a reachable hub id: {exc}") from exc
+    if is_gguf(model):
+        return checkpoint_dir(path, default_cache_dir())
+    if not path.exists():
+        raise FileNotFoundError(f"model {model!r} does not exist (give a checkpoint directory or a .gguf file)")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model {model!r} is not a Hugging Face checkpoint directory (no config.json) "
+                                "nor a .gguf file")
+    return path
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -132,7 +139,9 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32") -> Loade
     tokenizer_version = _digest(*(p.read_bytes() for p in tok_files),
                                 (getattr(tokenizer, "chat_template", None) or "").encode())
     weights_cfg = json.dumps({k: v for k, v in cfg.items() if k != "transformers_version"}, sort_keys=True)
-    fingerprint = _digest(weights_cfg.encode(), tokenizer_version.encode())[:32]
+    # a converted GGUF carries the digest of the whole file (weights included); a directory, its config
+    source = stored_fingerprint(path) or weights_cfg
+    fingerprint = _digest(source.encode(), tokenizer_version.encode())[:32]
     eos = cfg.get("eos_token_id")
     gen_cfg = path / "generation_config.json"
     if gen_cfg.exists():
@@ -140,4 +149,5 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32") -> Loade
     eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
     if not eos_ids and tokenizer.eos_token_id is not None:
         eos_ids = [tokenizer.eos_token_id]
-    return LoadedModel(net, args, tokenizer, path, fingerprint, tokenizer_version, eos_ids)
+    name = Path(model).name.removesuffix(".gguf") if is_gguf(model) else path.name
+    return LoadedModel(net, args, tokenizer, path, fingerprint, tokenizer_version, eos_ids, name)

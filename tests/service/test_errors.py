@@ -92,7 +92,8 @@ def test_still_serving_after_bad_input(server: ServerThread, model_name: str) ->
 
 
 def test_load_failure_is_503(tmp_path: Path) -> None:
-    srv = ServerThread(tiny_config(tmp_path / "missing")).start(wait_ready=False)
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')   # a checkpoint we cannot load
+    srv = ServerThread(tiny_config(tmp_path)).start(wait_ready=False)
     try:
         for _ in range(200):
             if srv.state.load_error is not None:

@@ -1,17 +1,11 @@
-"""The built-in demo model: a small random-weight Llama (~46M parameters) with a real byte-level BPE
-tokenizer and a ChatML chat template, built deterministically on first use into a cache directory.
-
-Its weights are random, so its text is gibberish: it exists so the service runs with no download.
-"""
+"""Random-weight Hugging Face checkpoints (Llama, Mistral, Qwen2) with a trained byte-level BPE tokenizer
+and a ChatML chat template, built deterministically: the tiny models of the fast tests and of some
+benchmarks (their text is gibberish; the real model is engine/models/default.py's)."""
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
-DEMO_VERSION = "v1"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -96,30 +90,3 @@ def build_checkpoint(out_dir: Path, architecture: str = "llama", *, hidden_size:
     model = model_cls(config)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     return out_dir
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "prefixserve"
-
-
-def demo_model_path(cache_dir: Path | None = None) -> Path:
-    """The demo checkpoint's directory, built on first use (atomically: concurrent builders are safe)."""
-    root = (cache_dir or default_cache_dir())
-    target = root / f"demo-{DEMO_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="demo-build-", dir=root))
-    try:
-        build_checkpoint(tmp, "llama", hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=4,
-                         intermediate_size=1536, vocab_size=8192, initializer_range=0.05, seed=0,
-                         max_position_embeddings=4096)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race
-            pass
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target

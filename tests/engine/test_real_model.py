@@ -1,0 +1,66 @@
+"""The built-in model, SmolLM2-135M-Instruct from its Q4_1 GGUF, against transformers loading the same
+file: tokenizer and chat template equal, and greedy chat answers equal token for token."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.", "How many days are in a leap year?",
+    "Write a haiku about the sea.", "What is 12 times 12?", "Explain what a cache is in one sentence.",
+    "Translate 'good morning' into Spanish.", "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
+    "Give me a synonym for happy.", "What does CPU stand for?", "List two planets in our solar system.",
+    "What color is the sky on a clear day?", "How do you say thank you in French?", "What is photosynthesis?",
+    "Name a famous painting by Leonardo da Vinci.", "What is the largest ocean on Earth?",
+    "Suggest a name for a pet cat.", "What is the square root of 81?", "Why do we need sleep?",
+]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def hf(real_model_path: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(real_model_path.parent), gguf_file=real_model_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(real_model_path.parent), gguf_file=real_model_path.name,
+                                                 dtype=torch.float32).eval()
+    return tok, model
+
+
+def chat_ids(tok: Any, question: str) -> list[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def test_tokenizer_and_chat_template_equal_transformers(real_llm: LLM, hf: tuple[Any, Any]) -> None:
+    ours, theirs = real_llm.tokenizer, hf[0]
+    assert ours.chat_template == theirs.chat_template and "<|im_start|>" in ours.chat_template
+    texts = ["Hello world", "  leading spaces\tand tabs\n", "café naïve 日本語 🙂", "def f(x):\n    return x**2",
+             "<|im_start|>user\nhi<|im_end|>", "1234567890 3.14159"]
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text), text
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"}]
+    for messages in (conv, conv[1:]):
+        assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+            theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert real_llm.engine.loaded.eos_token_ids == [theirs.eos_token_id]
+
+
+def test_greedy_chat_answers_equal_transformers(real_llm: LLM, hf: tuple[Any, Any]) -> None:
+    tok, model = hf
+    prompts = [chat_ids(tok, q) for q in QUESTIONS]
+    expected = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=tok.eos_token_id)
+            expected.append(out[0, len(p):].tolist())
+    got = real_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert "Paris" in got[0].outputs[0].text
