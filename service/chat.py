@@ -7,20 +7,18 @@ from aiohttp import web
 
 from service.generation import ChoiceDelta, Generation
 from service.logprobs import chat_logprobs
-from service.prepare import off_loop, prepare_chat
 from service.protocol import read_body
-from service.respond import respond
+from service.respond import prepare, respond
 from service.state import STATE
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    engine = state.ready_engine()
+    state.ready_engine()                      # 503 before reading a body while warming
     raw = await read_body(request, state.config.body_timeout)
     model = state.model_name
-    prepared = await off_loop(state.tokenizer_executor, lambda: prepare_chat(
-        raw, engine.tokenizer, model, state.config.max_choices))
-    req, prompt = prepared.req, prepared.prompts[0]
+    prepared, (prompt,) = await prepare(request.app, raw, chat=True)
+    req = prepared.req
     started: set[int] = set()      # choices whose first chunk (with the role) went out
     top_k = req.params.logprobs
     tokens = state.token_text() if top_k is not None else None

@@ -7,21 +7,19 @@ from aiohttp import web
 
 from service.generation import ChoiceDelta, Generation
 from service.logprobs import CompletionLogprobs
-from service.prepare import off_loop, prepare_completion
 from service.protocol import GenerationRequest, read_body
-from service.respond import respond
+from service.respond import prepare, respond
 from service.schema import CompletionRequest
 from service.state import STATE
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    engine = state.ready_engine()
+    state.ready_engine()                      # 503 before reading a body while warming
     raw = await read_body(request, state.config.body_timeout)
     model = state.model_name
-    prepared = await off_loop(state.tokenizer_executor, lambda: prepare_completion(
-        raw, engine.tokenizer, model, state.config.max_choices))
-    req, prompts = prepared.req, prepared.prompts
+    prepared, prompts = await prepare(request.app, raw, chat=False)
+    req = prepared.req
     logprobs = CompletionLogprobs(state.token_text()) if req.params.logprobs is not None else None
 
     def head(gen: Generation) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The `prefix` request field: names a registered prefix whose tokens go before the prompt.
+"""The `prefix` request field: names a registered prefix that goes before the prompt (composed as
+service/prepare.py says).
 
 Names resolve in the replica's local view of the registry (never in Redis: the store is not on the
 per-request path). A request that named a prefix is counted in the per-prefix metrics when it ends.
@@ -9,26 +10,24 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from service.errors import ApiError
 from service.generation import Usage
 from service.metrics import METRICS
+from service.prepare import PrefixSnapshot
+from service.registry_errors import PrefixNotFound
 from service.state import STATE
 
 
-def unknown_prefix(name: str) -> ApiError:
-    return ApiError(404, f"prefix {name!r} is not registered", type="not_found_error", param="prefix",
-                    code="prefix_not_found")
-
-
-def with_prefix(app: web.Application, prefix: str | None, prompts: list[list[int]]) -> list[list[int]]:
-    """Prepends the named prefix's tokens to every prompt (404 when the name is not registered here)."""
+def snapshot(app: web.Application, prefix: str | None) -> PrefixSnapshot | None:
+    """The named prefix as a request uses it (404 when the name is not registered here). Event loop only."""
     if prefix is None:
-        return prompts
+        return None
     registry = app[STATE].registry
     if registry is None:
-        raise unknown_prefix(prefix)
-    head = registry.resolve(prefix)
-    return [head + p for p in prompts]
+        raise PrefixNotFound(f"prefix {prefix!r} is not registered", param="prefix")
+    record = registry.resolve(prefix)
+    messages = record.source.get("messages")
+    return PrefixSnapshot(prefix, tuple(record.token_ids),
+                          tuple(dict(m) for m in messages) if isinstance(messages, list) else None)
 
 
 def on_prefix_use(app: web.Application, prefix: str | None) -> Callable[[Usage], None] | None:

@@ -34,7 +34,16 @@ def _render(raw: bytes, tokenizer: Any) -> tuple[PrefixRequest, list[int], dict[
         return body, encode_prompt(tokenizer, body.prompt), {"prompt": body.prompt}
     assert body.messages is not None
     clean = template_messages(body.messages)
-    return body, render_messages(clean, tokenizer, add_generation_prompt=False), {"messages": clean}
+    tokens = render_messages(clean, tokenizer, add_generation_prompt=False)
+    # A chat request naming the prefix renders its messages + the request's at once; pinning helps only
+    # if that rendering starts with these tokens (templates may render a message differently when
+    # another follows). Checked on a probe conversation.
+    probe = render_messages(clean + [{"role": "user", "content": "Hello?"}], tokenizer, add_generation_prompt=True)
+    if probe[:len(tokens)] != tokens:
+        raise invalid("this model's chat template renders these messages differently when a conversation follows "
+                      "them, so no chat request would reuse the pinned tokens; register the rendered text as a "
+                      "prompt instead, or change the messages", "messages")
+    return body, tokens, {"messages": clean}
 
 
 async def create_prefix(request: web.Request) -> web.Response:

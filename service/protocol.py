@@ -241,6 +241,7 @@ def parse_object(raw: bytes) -> dict[str, Any]:
     return obj
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    # NOTE: like vLLM, completions prompts get the tokenizer's own special tokens (e.g. Llama's BOS).
-    return list(tokenizer.encode(text))
+def encode_prompt(tokenizer: Any, text: str, special_tokens: bool = True) -> list[int]:
+    """A completion prompt's tokens. NOTE: like vLLM, a prompt gets the tokenizer's own special tokens (e.g.
+    Llama's BOS), unless it follows a prefix (`special_tokens=False`), which already starts the sequence."""
+    return list(tokenizer.encode(text, add_special_tokens=special_tokens))

@@ -169,8 +169,10 @@ class PrefixRegistry:
 
         The work runs as its own task: a caller that goes away (a cancelled HTTP handler) does not cut
         it between the pin and the record, so the pinned set and the store never disagree for it."""
-        if not token_ids:
-            raise InvalidPrefix("the prefix must contain at least one token", param="prompt")
+        block_size = self.engine.config.block_size
+        if len(token_ids) < block_size:
+            raise InvalidPrefix(f"the prefix has {len(token_ids)} tokens, less than one KV block ({block_size}): it "
+                                "would pin nothing; registered prefixes are for long shared prompts", param="prompt")
         if len(token_ids) >= self.engine.max_model_len:
             raise InvalidPrefix(f"the prefix has {len(token_ids)} tokens; the model's maximum context length is "
                                 f"{self.engine.max_model_len}", param="prompt")
@@ -220,11 +222,11 @@ class PrefixRegistry:
         if not deleted and not present:
             raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
 
-    def resolve(self, name: str) -> list[int]:
+    def resolve(self, name: str) -> PrefixRecord:
         entry = self.local.get(name)
         if entry is None:
             raise PrefixNotFound(f"prefix {name!r} is not registered", param="prefix")
-        return entry.record.token_ids
+        return entry.record
 
     def record_use(self, name: str, cached_tokens: int) -> tuple[int, int]:
         """Counts a request that named the prefix; returns (hit 0/1, tokens saved) for the metrics."""

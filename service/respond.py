@@ -9,7 +9,8 @@ from aiohttp import web
 from service import sse
 from service.generation import ChoiceDelta, Generation
 from service.metrics import METRICS
-from service.prefix_hook import on_prefix_use, with_prefix
+from service.prefix_hook import on_prefix_use, snapshot
+from service.prepare import Parsed, off_loop, parse_request, tokenize
 from service.protocol import GenerationRequest
 from service.state import STATE
 
@@ -18,12 +19,23 @@ BodyFn = Callable[[Generation, list[ChoiceDelta]], dict[str, Any]]    # all choi
 HeadFn = Callable[[Generation], dict[str, Any]]                       # id, object, created, model
 
 
+async def prepare(app: web.Application, raw: bytes | dict[str, Any], chat: bool) -> tuple[Parsed, list[list[int]]]:
+    """Parse and validate (tokenizer thread), resolve the named prefix (here, on the loop), tokenize
+    (tokenizer thread): the request and its prompts' token ids."""
+    state = app[STATE]
+    engine = state.ready_engine()
+    executor, served, max_choices = state.tokenizer_executor, state.model_name, state.config.max_choices
+    parsed = await off_loop(executor, lambda: parse_request(raw, chat, served, max_choices))
+    prefix = snapshot(app, parsed.req.prefix)
+    prompts = await off_loop(executor, lambda: tokenize(parsed, engine.tokenizer, prefix, max_choices))
+    return parsed, prompts
+
+
 async def respond(request: web.Request, prompts: list[list[int]], req: GenerationRequest, *,
                   head: HeadFn, chunks: ChunkFn, body: BodyFn, texts: list[str] | None = None) -> web.StreamResponse:
     """`texts`: the prompts as the client wrote them, when it did (echo returns them as written)."""
     state = request.app[STATE]
     engine = state.ready_engine()
-    prompts = with_prefix(request.app, req.prefix, prompts)
     echo = None
     if req.echo:
         echo = texts if texts is not None and req.prefix is None else [engine.tokenizer.decode(p) for p in prompts]

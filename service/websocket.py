@@ -34,9 +34,9 @@ from service.errors import ApiError, from_engine, from_registry, invalid
 from service.generation import Generation
 from service.logprobs import chat_logprobs
 from service.metrics import METRICS
-from service.prefix_hook import on_prefix_use, with_prefix
-from service.prepare import Prepared, off_loop, prepare_chat, prepare_completion
+from service.prefix_hook import on_prefix_use
 from service.registry_errors import RegistryError
+from service.respond import prepare
 from service.state import STATE
 
 
@@ -115,19 +115,12 @@ class Session:
         else:
             await self.send_error(gid, invalid("type must be 'generate' or 'cancel'", "type"))
 
-    async def _prepare(self, body: dict[str, Any]) -> Prepared:
-        engine = self.state.ready_engine()
-        args = (body, engine.tokenizer, self.state.model_name, self.state.config.max_choices)
-        fn = prepare_chat if "messages" in body else prepare_completion
-        return await off_loop(self.state.tokenizer_executor, lambda: fn(*args))
-
     async def generate(self, key: str, live: _Generation) -> None:
         gid = live.gid
         try:
-            prepared = await self._prepare(live.body)
+            prepared, prompts = await prepare(self.request.app, live.body, chat="messages" in live.body)
             req = prepared.req
             engine = self.state.ready_engine()
-            prompts = with_prefix(self.request.app, req.prefix, prepared.prompts)
             gen = Generation(engine, prompts, req.params, self.request.app[METRICS],
                              on_prefix_use(self.request.app, req.prefix))
             live.gen, live.reasons = gen, [None] * gen.num_choices
