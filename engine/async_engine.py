@@ -114,11 +114,13 @@ class RequestStream:
 
     def abort(self) -> None:
         """Ends every unfinished request of the stream (idempotent); blocks are freed at the next step.
-        A consumer waiting in `get` or `final` wakes up with what had arrived."""
+        A consumer waiting in `accepted`, `get` or `final` wakes up (with what had arrived)."""
         for rid in self._open:
             self._engine.abort(rid)
         self._engine._forget(self._open)
         self._open.clear()
+        self._unaccepted.clear()
+        self._admitted.set()
         self._ready.set()
 
 

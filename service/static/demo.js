@@ -46,10 +46,15 @@ function finish(g, usage, error) {
   if (error) {
     g.view.className = "msg error";
     g.view.querySelector(".body").textContent = error;
-  } else {
+  } else if (g.text) {
     history.push({ role: "assistant", content: g.text });
-    showStats(g, usage);
+  } else {
+    // stopped (or ended) before the first token: no empty bubble, and the question is not sent again
+    g.view.remove();
+    if (history.length && history[history.length - 1].role === "user") history.pop();
   }
+  if (!error) showStats(g, usage);
+  for (const id of ["ttft", "tps", "ntok", "cached"]) if ($(id).textContent === "…") $(id).textContent = "–";
   $("send").disabled = false;
   $("stop").disabled = true;
 }
@@ -152,6 +157,9 @@ async function init() {
   $("form").addEventListener("submit", send);
   $("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && !e.shiftKey) send(e); });
   $("stop").addEventListener("click", () => current && current.stop());
+  // the prefix list follows the registry: reloaded when the page or the list gets focus
+  window.addEventListener("focus", loadPrefixes);
+  $("prefix").addEventListener("focus", loadPrefixes);
   $("clear").addEventListener("click", () => { history.length = 0; $("log").textContent = ""; });
   for (let i = 0; i < 600; i++) {
     const health = await fetch("/health").then((r) => r.json()).catch(() => ({ status: "down" }));
@@ -163,6 +171,12 @@ async function init() {
   const models = await fetch("/v1/models").then((r) => r.json());
   model = models.data[0].id;
   $("model").textContent = model + " · " + models.data[0].max_model_len + " ctx";
+  document.title = "prefixserve · " + model;
+  // leave room for the conversation: at most a quarter of the context by default
+  const ctx = models.data[0].max_model_len;
+  const cap = Math.max(16, Math.floor(ctx / 4));
+  $("max-tokens").max = String(ctx);
+  if (Number($("max-tokens").value) > cap) $("max-tokens").value = String(cap);
   await loadPrefixes();
 }
 
@@ -172,6 +186,9 @@ async function loadPrefixes() {
   const listing = await fetch("/v1/prefixes").then((r) => (r.ok ? r.json() : null)).catch(() => null);
   const loaded = listing && Array.isArray(listing.data) ? listing.data.filter((p) => p.loaded !== false) : [];
   const select = $("prefix");
+  const key = loaded.map((p) => p.name + ":" + p.num_tokens).join(",");
+  if (select.dataset.key === key) return;      // unchanged: leave an open list alone
+  select.dataset.key = key;
   const chosen = select.value;
   select.replaceChildren(new Option("none", ""));
   for (const p of loaded) {

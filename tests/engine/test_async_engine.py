@@ -277,3 +277,22 @@ def test_a_failure_in_one_requests_output_stage_fails_only_that_request(tiny_lla
     assert [len(done[r].outputs[0].token_ids) for r in ("a", "b")] == [8, 8]
     assert done["a"].error is None and done["b"].error is None
     assert engine.stats().kv_blocks_used == 0
+
+
+async def test_aborting_a_stream_before_it_is_admitted_releases_its_waiter(tiny_llama_dir: Path) -> None:
+    """A client that cancels while its request waits for admission (the demo page's Stop before the first
+    token): `accepted()` returns instead of waiting forever, and nothing keeps running."""
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=64))
+    await eng.start()
+    try:
+        stream = eng.add(toks(8, 1), SamplingParams(max_tokens=50, ignore_eos=True))
+        stream.abort()
+        await asyncio.wait_for(stream.accepted(), 5)
+        assert await asyncio.wait_for(stream.get(), 5) == []
+        for _ in range(100):
+            await eng.unpin_prefix([1])                      # a no-op command: a step, fresh stats
+            if eng.stats().requests_running == eng.stats().requests_waiting == 0:
+                break
+        assert eng.stats().kv_blocks_used == 0
+    finally:
+        await eng.shutdown()

@@ -26,3 +26,19 @@ def model_name(server: ServerThread) -> str:
 def client(server: ServerThread) -> Iterator[OpenAI]:
     with OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def real_server(real_model_path: Path) -> Iterator[ServerThread]:
+    """The built-in model (SmolLM2-135M-Instruct) behind the service, as `make serve` runs it."""
+    from service.config import ServiceConfig
+    srv = ServerThread(ServiceConfig.from_flat(max_model_len=2048, num_kv_blocks=256, keepalive_interval=5.0,
+                                               shutdown_timeout=5.0)).start(timeout=300)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def real_client(real_server: ServerThread) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{real_server.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c

@@ -32,9 +32,10 @@ def slow_server(tiny_llama_dir: Path) -> Iterator[ServerThread]:
     srv = ServerThread(tiny_config(tiny_llama_dir)).start()
     core = srv.state.engine.core
     step = core.step
+    srv.step_delay = 0.02  # type: ignore[attr-defined]   # a test may slow it further
 
     def slow_step():  # type: ignore[no-untyped-def]
-        time.sleep(0.02)
+        time.sleep(srv.step_delay)  # type: ignore[attr-defined]
         return step()
 
     core.step = slow_step
@@ -124,3 +125,75 @@ def test_demo_page_uses_a_registered_prefix(browser, slow_server: ServerThread) 
     page.screenshot(path="/tmp/demo2.png", full_page=True)
     page.close()
     assert requests.delete(f"{server.url}/v1/prefixes/demo-system", timeout=30).status_code == 200
+
+
+def _open(browser, url: str, width: int = 1000, height: int = 820):  # type: ignore[no-untyped-def]
+    page = browser.new_page(viewport={"width": width, "height": height})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(url + "/")
+    page.wait_for_function("document.getElementById('health').textContent === 'ok'", timeout=60_000)
+    page.wait_for_function("document.getElementById('model').textContent.includes('ctx')", timeout=20_000)
+    return page, errors
+
+
+def _ask(page, question: str, transport: str = "ws") -> str:  # type: ignore[no-untyped-def]
+    page.select_option("#transport", transport)
+    page.fill("#temperature", "0")
+    page.fill("#prompt", question)
+    page.click("#send")
+    page.wait_for_function("!document.getElementById('send').disabled && "
+                           "document.getElementById('cached').textContent.includes('/')", timeout=120_000)
+    return str(page.inner_text(".msg.assistant:last-of-type .body"))
+
+
+@pytest.mark.parametrize("transport", ["ws", "sse"])
+def test_the_real_model_answers_on_the_page(browser, real_server: ServerThread, transport: str,
+                                            tmp_path: Path) -> None:
+    page, errors = _open(browser, real_server.url)
+    assert "SmolLM2-135M-Instruct" in page.inner_text("#model")
+    answer = _ask(page, "What is the capital of France?", transport)
+    assert "Paris" in answer
+    page.fill("#prompt", "And of Italy?")                   # a second turn reads the first as history
+    page.click("#send")
+    page.wait_for_function("document.querySelectorAll('.msg.assistant').length === 2 && "
+                           "!document.getElementById('send').disabled", timeout=120_000)
+    assert "Rome" in page.inner_text(".msg.assistant:last-of-type .body")
+    page.screenshot(path=str(tmp_path / f"demo-{transport}.png"), full_page=True)
+    assert not errors, errors
+    page.close()
+
+
+def test_the_page_is_usable_at_390_px(browser, real_server: ServerThread, tmp_path: Path) -> None:
+    page, errors = _open(browser, real_server.url, width=390, height=844)
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 390, f"the page scrolls sideways: {width} px wide"
+    for sel in ("#prompt", "#send", "#stop", "#system", "#temperature"):
+        box = page.locator(sel).bounding_box()
+        assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 390, (sel, box)
+    assert "Paris" in _ask(page, "What is the capital of France?")
+    page.screenshot(path=str(tmp_path / "demo-390.png"), full_page=True)
+    assert not errors, errors
+    page.close()
+
+
+@pytest.mark.parametrize("transport", ["ws", "sse"])
+def test_stop_before_the_first_token_leaves_no_trace(browser, slow_server: ServerThread, transport: str) -> None:
+    page, errors = _open(browser, slow_server.url)
+    slow_server.step_delay = 1.0  # type: ignore[attr-defined]
+    try:
+        page.select_option("#transport", transport)
+        page.fill("#prompt", "hello there")
+        page.click("#send")
+        page.click("#stop")                                  # well before the first token (a step takes 1 s)
+        page.wait_for_function("!document.getElementById('send').disabled", timeout=30_000)
+    finally:
+        slow_server.step_delay = 0.02  # type: ignore[attr-defined]
+    assert page.locator(".msg.assistant").count() == 0       # no empty bubble
+    assert page.locator(".msg.streaming").count() == 0
+    for stat in ("#ttft", "#tps", "#ntok", "#cached"):
+        assert page.inner_text(stat) != "…", stat           # no stuck placeholder
+    assert not errors, errors
+    assert _ask(page, "and now?").strip()                    # the page goes on
+    page.close()
