@@ -148,3 +148,14 @@ def test_prefix_quick_on_a_tiny_checkpoint(tiny_llama_dir: Path, tmp_path: Path,
     assert res["pinned_hit_rate"] == 1.0
     assert 0.0 <= res["lru_hit_rate"] < 1.0
     assert res["ttft_cached_s"] > 0 and res["ttft_uncached_s"] > 0
+
+
+def test_results_go_to_a_scratch_folder_unless_out(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.common import RESULTS
+    committed = {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()}
+    rc = cli.main(["memory", "--quick", "--num-requests", "20", "--memory-tokens", "4096"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    where = Path(err.split("results go to ", 1)[1].split(" ", 1)[0])
+    assert (where / "memory.md").exists() and where.resolve() != RESULTS.resolve()
+    assert {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()} == committed

@@ -101,3 +101,22 @@ def test_every_config_knob_is_a_flag_and_a_variable(monkeypatch: pytest.MonkeyPa
     cfg = config_from(parser().parse_args(["serve"]))
     assert cfg.engine.max_num_batched_tokens == 7 and cfg.engine.enable_prefix_caching is False
     assert cfg.engine.torch_threads is None and cfg.max_ws_generations == 3
+
+
+def test_setup_mistakes_are_one_line_of_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A model path that is not a model, a port already taken: one line on stderr, exit status 1."""
+    import socket as socket_module
+    for model in ("/nonexistent/model", str(tmp_path), str(tmp_path / "x.gguf")):
+        out = subprocess.run([sys.executable, "-m", "service", "serve", "--model", model], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1 and "prefixserve:" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+    with socket_module.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "service", "serve", "--model", str(tiny_llama_dir), "--port",
+                              str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("prefixserve: cannot listen on 127.0.0.1:") and str(port) in last
