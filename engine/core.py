@@ -13,28 +13,34 @@ construction (config, model shape, cache size), so the event loop may call it.
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from engine import logits_processors
 from engine.block_manager import BlockManager
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.errors import CapacityExceeded, EngineError, InvalidRequest, QueueFull
 from engine.forks import Forks
 from engine.kv_cache import KVCache
+from engine.logits_processors import RowContext
 from engine.model_runner import ModelRunner
 from engine.models.chat_template import override_chat_template, read_chat_template
 from engine.models.default import NAME as DEFAULT_NAME
 from engine.models.default import default_model_path
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import RequestTimes
-from engine.sampler import Sampler, make_generator
+from engine.sampler import Sampler, SamplerOutput, make_generator
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import EngineRequest, SamplingParams, Sequence, SequenceGroup
+from engine.structured import Grammars
 from kernels import get_backend
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -101,8 +107,19 @@ class EngineCore:
         self.sampler = Sampler()
         self.forks = Forks(self.manager, self.scheduler, self.new_seq, self.finish_seq)
         self.requests: dict[str, SequenceGroup] = {}
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
+
+    @property
+    def grammars(self) -> Grammars:
+        """Compiled grammars for structured output (made on first use: 1-2 s). Thread-safe: the service
+        compiles a request's grammar on its own thread, the engine thread only hits the cache."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.loaded.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            return self._grammars
 
     # -- requests -----------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
@@ -158,6 +175,8 @@ class EngineCore:
                 f"({self.pool.num_pinned} of {self.pool.num_blocks_total} are pinned)", param="max_tokens")
         if len(self.scheduler.waiting) >= self.config.max_num_waiting:
             raise QueueFull(f"the waiting queue is full ({self.config.max_num_waiting} requests); retry later")
+        if request.params.structured is not None:
+            self.grammars.compile(request.params.structured)    # InvalidRequest if it does not compile
         seq = self.new_seq(rid, prompt, request.params, request.max_tokens, 0)
         seq.block_hashes = hashes
         group = SequenceGroup(request, seq, RequestTimes(arrival=request.arrival))
@@ -287,12 +306,34 @@ class EngineCore:
             seq.prompt_logprobs.append(entry)
 
     def _sample(self, logits: torch.Tensor, targets: list[Sequence]) -> None:
-        """One token for each target row; then the token-level stop rules."""
+        """One token for each target row; then the token-level stop rules. A row that cannot be sampled
+        (non-finite logits, or a sampling failure of its own) ends its request only."""
         gens = [t.generator for t in targets if t.generator is not None]
         assert len(gens) == len(targets), "every sampled sequence has its generator"
-        res = self.sampler(logits, [t.params for t in targets], gens)
+        params = [t.params for t in targets]
+        contexts = None
+        if any(logits_processors.needs_processing(p) for p in params):
+            contexts = [RowContext(t.output_token_ids, t.prompt_token_ids, self._stop_ids(t.params)) for t in targets]
+        constrained = [j for j, t in enumerate(targets) if t.params.structured is not None]
+        if constrained:
+            self._constrain(logits, [targets[j] for j in constrained], constrained)
+        try:
+            res = self.sampler(logits, params, gens, contexts)
+        except Exception:               # find the rows at fault: sample one at a time, fail only those
+            log.exception("batched sampling failed; sampling row by row")
+            res = self._sample_rows(logits, params, gens, contexts)
+        failed = set(res.failed)
         for j, seq in enumerate(targets):
+            if seq.finished:                # its request was just failed through a sibling's row
+                continue
+            if j in failed:
+                assert seq.group is not None
+                self.abort(seq.request_id, EngineError("the model produced non-finite logits for this request"))
+                continue
             token = res.token_ids[j]
+            if seq.guide is not None and not seq.guide.accept_token(token):
+                self.abort(seq.request_id, EngineError("structured output: the grammar rejected a sampled token"))
+                continue
             seq.token_ids.append(token)
             seq.cumulative_logprob += res.logprobs[j]
             if seq.logprobs is not None and res.top_logprobs is not None:
@@ -300,6 +341,42 @@ class EngineCore:
             assert seq.group is not None
             self._count_token(seq.group, 1)
             self._check_stop(seq, token)
+            if seq.guide is not None and not seq.finished and seq.guide.is_terminated():
+                self.finish_seq(seq, "stop")             # the grammar is complete
+
+    def _constrain(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        """Masks the constrained rows of `logits` in place to what their grammars allow next."""
+        for seq in seqs:
+            if seq.guide is None:
+                assert seq.params.structured is not None
+                seq.guide = self.grammars.matcher(seq.params.structured)
+        index = torch.tensor(rows, device=logits.device)
+        sub = logits.index_select(0, index).float()
+        self.grammars.apply(sub, [s.guide for s in seqs])
+        logits.index_copy_(0, index, sub.to(logits.dtype))
+
+    def _sample_rows(self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator],
+                     contexts: list[RowContext] | None) -> SamplerOutput:
+        ids, logprobs, tops, failed = [], [], [], []
+        for j in range(len(params)):
+            try:
+                one = self.sampler(logits[j:j + 1], params[j:j + 1], gens[j:j + 1],
+                                   contexts[j:j + 1] if contexts is not None else None)
+                ids.append(one.token_ids[0])
+                logprobs.append(one.logprobs[0])
+                tops.append(one.top_logprobs[0] if one.top_logprobs is not None else {})
+                failed += [j] if one.failed else []
+            except Exception:
+                log.exception("sampling failed for one row")
+                ids.append(0)
+                logprobs.append(0.0)
+                tops.append({})
+                failed.append(j)
+        return SamplerOutput(ids, logprobs, tops if any(p.logprobs is not None for p in params) else None, failed)
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(params.stop_token_ids)
 
     def _count_token(self, group: SequenceGroup, n: int) -> None:
         if group.times.first_token is None:

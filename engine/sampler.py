@@ -13,10 +13,12 @@ cumulative sum cost a few milliseconds and are just as batch-invariant.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from engine import logits_processors
+from engine.logits_processors import RowContext
 from engine.sequence import SamplingParams
 
 _SEED_MASK = (1 << 64) - 1      # torch.Generator.manual_seed takes 64-bit values
@@ -35,26 +37,36 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float]                           # log_softmax(raw logits) at the sampled token
     top_logprobs: list[dict[int, float]] | None     # per row; {} for rows that did not ask; None if none asked
+    failed: list[int] = field(default_factory=list)  # rows whose logits held NaN or +inf: no token for them
 
 
 class Sampler:
     """Stateless; one instance serves every step.
 
-    Random rows: logits / temperature -> top-k -> top-p (on the top-k-renormalized distribution) ->
-    one draw per row by inverse CDF: u ~ U[0, 1) from the row's generator, the token is the first
-    whose cumulative probability (float64, vocabulary order) exceeds u.
-    Greedy rows (temperature 0 or top_k 1): argmax of the raw logits, first index on ties.
+    Every row: its logits processors first (engine/logits_processors.py: bias, min_tokens, penalties).
+    Random rows: logits / temperature -> min-p -> top-k -> top-p (on the top-k-renormalized
+    distribution) -> one draw per row by inverse CDF: u ~ U[0, 1) from the row's generator, the token
+    is the first whose cumulative probability (float64, vocabulary order) exceeds u.
+    Greedy rows (temperature < 1e-5, or top_k 1): argmax of the processed logits, first index on ties.
     Log-probabilities are always those of the raw, unscaled logits (what transformers and OpenAI report).
+    A row whose raw logits hold NaN or +inf (a broken forward pass) is reported in `failed` and gets
+    token 0; the other rows are untouched by it (every operation here is per row).
     """
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator]) -> SamplerOutput:
-        # logits: [N, V] float32; params[i] and generators[i] belong to row i.
-        # Greedy rows' generators are never touched.
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+                 contexts: list[RowContext] | None = None) -> SamplerOutput:
+        # logits: [N, V] float32; params[i], generators[i] and contexts[i] belong to row i (contexts are
+        # needed only by rows with logits processors). Greedy rows' generators are never touched.
         num_rows = logits.shape[0]
         assert len(params) == num_rows == len(generators), (logits.shape, len(params), len(generators))
         logits = logits.float()
+        broken = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)     # [N]
+        failed = broken.nonzero().flatten().tolist()
+        if failed:
+            logits = logits.masked_fill(broken[:, None], 0.0)
         raw_logprobs = torch.log_softmax(logits, dim=-1)                 # [N, V]
+        if contexts is not None:
+            logits = logits_processors.apply(logits, params, contexts)
         token_ids = logits.argmax(dim=-1)                                # [N]; greedy answer for every row
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -72,10 +84,13 @@ class Sampler:
             choice = torch.minimum(choice, torch.searchsorted(cdf, total))  # last token with p > 0
             token_ids[index] = choice.squeeze(1)
 
+        token_ids = token_ids.clamp_(0, logits.shape[-1] - 1)
+        if failed:
+            token_ids[broken] = 0
         ids = token_ids.tolist()
         logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
         return SamplerOutput(token_ids=ids, logprobs=logprobs,
-                             top_logprobs=self._top_logprobs(raw_logprobs, ids, logprobs, params))
+                             top_logprobs=self._top_logprobs(raw_logprobs, ids, logprobs, params), failed=failed)
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The exact distribution `__call__` draws each row from: [N, V], rows sum to 1.
@@ -97,6 +112,12 @@ class Sampler:
         device, vocab = logits.device, logits.shape[-1]
         temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
         scaled = logits / temperature.unsqueeze(1)
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            # min-p (vLLM): drop tokens whose probability is below min_p x the top token's
+            probs = torch.softmax(scaled, dim=-1)
+            floor = torch.tensor(min_p, device=device, dtype=probs.dtype)[:, None] * probs.amax(dim=-1, keepdim=True)
+            scaled = scaled.masked_fill(probs < floor, float("-inf"))
         top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         # top_p == 1 is "off": +inf keeps the float32 cumsum, which may round up to 1, from cutting the tail.
         top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]

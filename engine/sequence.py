@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 
     from engine.beam_search import BeamSearch
     from engine.outputs import RequestTimes
+    from engine.structured import StructuredSpec
+
+
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -32,6 +36,13 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True | False | "never" (transformers' meanings)
+    presence_penalty: float = 0.0       # engine/logits_processors.py has the semantics of these five
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    min_p: float = 0.0                  # keep tokens with probability >= min_p * the top token's
+    structured: StructuredSpec | None = None   # constrained decoding (engine/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +75,19 @@ class SamplingParams:
             (self.early_stopping in (True, False, "never"), "early_stopping",
              "early_stopping must be true, false or \"never\""),
             (-10.0 <= self.length_penalty <= 10.0, "length_penalty", "length_penalty must be within [-10, 10]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be within [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be within [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "repetition_penalty must be within (0, 10]"),
+            (self.logit_bias is None or all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+                                            for t, b in self.logit_bias.items()), "logit_bias",
+             "logit_bias maps token ids to biases within [-100, 100]"),
+            (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "min_tokens must be <= max_tokens"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be within [0, 1]"),
+            (self.structured is None or not self.use_beam_search,
+             self.structured.param if self.structured else "use_beam_search",
+             "structured output is not supported with beam search"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -71,7 +95,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax decoding. NOTE: a temperature below 1e-5 counts as 0 (vLLM's threshold): dividing
+        float32 logits by 1e-40 or 1e-300 would overflow them to inf and NaN."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 class Status(enum.Enum):
@@ -124,6 +150,7 @@ class Sequence:
         self.index = 0                        # output index within its request
         self.pending_logprobs: torch.Tensor | None = None  # beam search: next-token log-probs awaiting siblings
         self.generator: torch.Generator | None = None            # set by the engine
+        self.guide: Any = None                # structured output: its grammar matcher, from its first sample
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,7 @@ from service.logprobs import chat_logprobs
 from service.protocol import read_body
 from service.respond import prepare, respond
 from service.state import STATE
+from service.tools import ToolCallStream
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -32,24 +33,52 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         return {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,
                 "model": model}
 
+    plan = req.tools
+    calling: dict[int, ToolCallStream] = {}     # choice -> its tool-call state (requests with tools)
+
     def chunks(gen: Generation, d: ChoiceDelta) -> list[dict[str, Any]]:
-        delta: dict[str, Any] = {"content": d.text} if d.text or d.finish_reason is None else {}
-        if d.index not in started:
-            started.add(d.index)
-            delta = {"role": "assistant", "content": d.text}
-        chunk: dict[str, Any] = {**head(gen), "choices": [
-            {"index": d.index, "delta": delta, "logprobs": logprobs(d), "finish_reason": d.finish_reason}]}
-        if req.return_token_ids:
-            chunk["choices"][0]["token_ids"] = d.token_ids
-        if req.include_usage:
-            chunk["usage"] = None
-        return [chunk]
+        if plan is None:
+            deltas: list[dict[str, Any]] = [{"content": d.text}] if d.text or d.finish_reason is None else [{}]
+        else:
+            stream = calling.setdefault(d.index, ToolCallStream(plan))
+            deltas = stream.feed(d.text, d.finish_reason is not None) or [{}]
+        finish = d.finish_reason
+        if plan is not None and finish == "stop" and calling[d.index].has_calls:
+            finish = "tool_calls"
+        out = []
+        for i, delta in enumerate(deltas):
+            if d.index not in started:
+                started.add(d.index)
+                delta = {"role": "assistant", "content": None if "tool_calls" in delta else "", **delta}
+            last = i == len(deltas) - 1
+            if not delta and not last:
+                continue
+            chunk: dict[str, Any] = {**head(gen), "choices": [
+                {"index": d.index, "delta": delta, "logprobs": logprobs(d) if last else None,
+                 "finish_reason": finish if last else None}]}
+            if req.return_token_ids:
+                chunk["choices"][0]["token_ids"] = d.token_ids if last else []
+            if req.include_usage:
+                chunk["usage"] = None
+            out.append(chunk)
+        return out
+
+    def message(c: ChoiceDelta) -> tuple[dict[str, Any], str | None]:
+        if plan is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        content, calls = plan.calls(c.text)
+        if not calls:
+            return {"role": "assistant", "content": content}, c.finish_reason
+        finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": [t.as_dict() for t in calls]}, finish
 
     def body_of(gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]:
-        out = {**head(gen), "object": "chat.completion", "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs(c),
-             "finish_reason": c.finish_reason, **({"token_ids": c.token_ids} if req.return_token_ids else {})}
-            for c in choices]}
+        items = []
+        for c in choices:
+            msg, finish = message(c)
+            items.append({"index": c.index, "message": msg, "logprobs": logprobs(c), "finish_reason": finish,
+                          **({"token_ids": c.token_ids} if req.return_token_ids else {})})
+        out = {**head(gen), "object": "chat.completion", "choices": items}
         if req.return_token_ids:
             out["prompt_token_ids"] = gen.prompts[0]
         return out

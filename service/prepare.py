@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from engine.errors import InvalidRequest
+from engine.structured import Grammars
 from service.errors import invalid
 from service.protocol import (
     GenerationRequest,
@@ -38,6 +40,7 @@ from service.protocol import (
     to_generation,
 )
 from service.schema import ChatCompletionRequest, CompletionRequest
+from service.tools import template_renders_tools
 
 T = TypeVar("T")
 
@@ -71,9 +74,17 @@ def parse_request(raw: bytes | dict[str, Any], chat: bool, served: str, max_choi
     return Parsed(body, to_generation(body, max_choices=max_choices))
 
 
-def tokenize(parsed: Parsed, tokenizer: Any, prefix: PrefixSnapshot | None, max_choices: int) -> list[list[int]]:
-    """The prompts' token ids, the named prefix composed in (see the module docstring)."""
+def tokenize(parsed: Parsed, tokenizer: Any, prefix: PrefixSnapshot | None, max_choices: int,
+             grammars: Callable[[], Grammars]) -> list[list[int]]:
+    """The prompts' token ids, the named prefix composed in (see the module docstring). A structured
+    output constraint is compiled here too (a bad one is a 400; the engine then finds it cached)."""
     body = parsed.body
+    spec = parsed.req.params.structured
+    if spec is not None:
+        try:
+            grammars().compile(spec)
+        except InvalidRequest as exc:
+            raise invalid(exc.message, exc.param) from None
     if isinstance(body, ChatCompletionRequest):
         messages = template_messages(body.messages)
         if prefix is not None:
@@ -81,7 +92,12 @@ def tokenize(parsed: Parsed, tokenizer: Any, prefix: PrefixSnapshot | None, max_
                 raise invalid(f"prefix {prefix.name!r} was registered with a prompt; a chat request can only name "
                               "a prefix registered with messages", "prefix")
             messages = [dict(m) for m in prefix.messages] + messages
-        return [render_messages(messages, tokenizer, add_generation_prompt=True)]
+        plan = parsed.req.tools
+        if plan is not None and plan.mode == "auto" and not template_renders_tools(tokenizer):
+            raise invalid("this model's chat template does not show tools to the model, so it cannot choose to call "
+                          "one: use tool_choice \"required\" or name a function", "tool_choice")
+        tools = plan.template_tools() if plan is not None else None
+        return [render_messages(messages, tokenizer, add_generation_prompt=True, tools=tools)]
     if prefix is None:
         prompts = parse_prompts(body, tokenizer)
     else:

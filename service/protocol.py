@@ -7,6 +7,7 @@ engine cannot honour yet with a 400 naming them, and tokenizes.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +16,10 @@ from aiohttp import web
 
 from engine.errors import InvalidRequest
 from engine.sequence import SamplingParams
+from engine.structured import StructuredSpec
 from service.errors import ApiError, invalid
-from service.schema import ChatCompletionRequest, ChatMessage, CompletionRequest, SchemaError, parse
+from service.schema import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice, SchemaError, parse
+from service.tools import ToolPlan, named_schema, required_schema
 
 
 @dataclass
@@ -30,6 +33,7 @@ class GenerationRequest:
     prefix: str | None = None
     user: str | None = None
     echo: bool = False              # completions: the prompt goes before each choice's text (and logprobs)
+    tools: ToolPlan | None = None   # chat: how the answer calls tools (service/tools.py)
 
 
 async def read_body(request: web.Request, timeout: float) -> bytes:
@@ -59,33 +63,59 @@ def check_model(model: str | None, served: str) -> None:
 # Fields of the schema that the engine does not honour (yet): refused with a 400 when set to anything
 # but their neutral value, never silently ignored; /openapi.json leaves them out.
 UNSUPPORTED_FIELDS = {
-    "presence_penalty": "presence_penalty is not supported by this server yet",
-    "frequency_penalty": "frequency_penalty is not supported by this server yet",
-    "repetition_penalty": "repetition_penalty is not supported by this server yet",
-    "logit_bias": "logit_bias is not supported by this server yet",
-    "min_p": "min_p is not supported by this server yet",
-    "min_tokens": "min_tokens is not supported by this server yet",
-    "response_format": "structured output (response_format) is not supported by this server yet",
-    "guided_json": "guided_json is not supported by this server yet",
-    "guided_regex": "guided_regex is not supported by this server yet",
-    "guided_choice": "guided_choice is not supported by this server yet",
-    "tools": "tool calls are not supported by this server yet",
-    "tool_choice": "tool calls are not supported by this server yet",
-    "parallel_tool_calls": "tool calls are not supported by this server yet",
     "suffix": "suffix (insertion) is not supported",
 }
-_NEUTRAL: dict[str, Any] = {"suffix": "", "tool_choice": "none", "parallel_tool_calls": True}
+_NEUTRAL: dict[str, Any] = {"suffix": ""}
 
 
 def _unsupported(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[str, str]]:
     out = []
     for name, message in UNSUPPORTED_FIELDS.items():
         value = getattr(req, name, None)
-        if name == "response_format" and value is not None and value.type == "text":
-            continue
         if value is not None and value != _NEUTRAL.get(name, object()):
             out.append((name, message))
     return out
+
+
+def _structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredSpec | None:
+    """The output constraint a request asks for (response_format, or vLLM's guided_* on completions)."""
+    specs: list[StructuredSpec] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        specs.append(StructuredSpec("json", param="response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise invalid("response_format json_schema needs a json_schema with a schema", "response_format")
+        specs.append(StructuredSpec("json_schema", json.dumps(fmt.json_schema.schema_), "response_format"))
+    if isinstance(req, CompletionRequest):
+        if req.guided_json is not None:
+            schema = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
+            specs.append(StructuredSpec("json_schema", schema, "guided_json"))
+        if req.guided_regex is not None:
+            specs.append(StructuredSpec("regex", req.guided_regex, "guided_regex"))
+        if req.guided_choice is not None:
+            specs.append(StructuredSpec.choice(list(req.guided_choice)))
+    if len(specs) > 1:
+        raise invalid("give at most one output constraint (response_format, guided_json, guided_regex, "
+                      "guided_choice)", specs[1].param)
+    return specs[0] if specs else None
+
+
+def _tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice needs tools", "tool_choice")
+        return None
+    if choice == "none":
+        return None
+    parallel = req.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        named = next((t for t in req.tools if t.function.name == choice.function.name), None)
+        if named is None:
+            raise invalid(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
+        return ToolPlan("named", list(req.tools), named, parallel)
+    return ToolPlan("required" if choice == "required" else "auto", list(req.tools), None, parallel)
 
 
 def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices: int) -> GenerationRequest:
@@ -108,6 +138,14 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
     if logprobs is not None and req.use_beam_search:
         raise invalid("logprobs are not reported for beam search", "logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    structured = _structured(req)
+    plan = _tool_plan(req) if isinstance(req, ChatCompletionRequest) else None
+    if plan is not None and plan.mode in ("named", "required"):
+        if structured is not None:
+            raise invalid("tool_choice forces a tool call; it cannot be combined with response_format",
+                          "response_format")
+        schema = named_schema(plan.named) if plan.named is not None else required_schema(plan.tools, plan.parallel)
+        structured = StructuredSpec("json_schema", json.dumps(schema), "tools")
     try:
         params = SamplingParams(
             n=n, best_of=req.best_of, temperature=1.0 if req.temperature is None else req.temperature,
@@ -115,6 +153,10 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
             seed=req.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos), logprobs=logprobs, use_beam_search=bool(req.use_beam_search),
             prompt_logprobs=logprobs if echo else None,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+            min_tokens=req.min_tokens or 0, min_p=req.min_p or 0.0, structured=structured,
             early_stopping=False if req.early_stopping is None else req.early_stopping,
             length_penalty=1.0 if req.length_penalty is None else req.length_penalty)
     except InvalidRequest as exc:
@@ -123,7 +165,7 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
     return GenerationRequest(params=params, stream=bool(req.stream),
                              include_usage=bool(options and options.include_usage),
                              return_token_ids=bool(req.return_token_ids), prefix=req.prefix, user=req.user,
-                             echo=echo)
+                             echo=echo, tools=plan)
 
 
 def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:

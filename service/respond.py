@@ -27,7 +27,8 @@ async def prepare(app: web.Application, raw: bytes | dict[str, Any], chat: bool)
     executor, served, max_choices = state.tokenizer_executor, state.model_name, state.config.max_choices
     parsed = await off_loop(executor, lambda: parse_request(raw, chat, served, max_choices))
     prefix = snapshot(app, parsed.req.prefix)
-    prompts = await off_loop(executor, lambda: tokenize(parsed, engine.tokenizer, prefix, max_choices))
+    prompts = await off_loop(executor, lambda: tokenize(parsed, engine.tokenizer, prefix, max_choices,
+                                                         lambda: engine.core.grammars))
     return parsed, prompts
 
 

@@ -139,3 +139,77 @@ def might_become_a_call(text: str) -> bool:
         return True
     tail = text[-len(HERMES_START):]
     return any(HERMES_START.startswith(tail[i:]) for i in range(len(tail)))
+
+
+@dataclass
+class ToolPlan:
+    """How a chat request's tools shape its answer (the table at the top of this module)."""
+
+    mode: str                       # "auto" | "required" | "named"
+    tools: list[Tool]
+    named: Tool | None = None
+    parallel: bool = True
+
+    @property
+    def names(self) -> set[str]:
+        return {t.function.name for t in self.tools}
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCallOut]]:
+        """(content, tool calls) of a whole answer."""
+        if self.mode == "named":
+            assert self.named is not None
+            return None, [ToolCallOut(self.named.function.name, text, new_call_id())]
+        if self.mode == "required":
+            try:
+                return None, calls_from_required(text)
+            except (ValueError, KeyError, TypeError):      # cut short by max_tokens: not a whole call list
+                return text, []
+        return parse_auto(text, self.names)
+
+
+class ToolCallStream:
+    """Streaming one choice of a tool-calling chat answer: the `delta` objects to send for each piece
+    of text. Named calls stream their arguments as they come; "required" answers are sent whole at the
+    end (their JSON names the function only once it is parsed); "auto" answers stream as content until
+    the text may be a tool call, which is then held and parsed at the end."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.sent = 0                  # characters of `text` sent as content
+        self.call_id = new_call_id()
+        self.has_calls = False
+
+    def feed(self, piece: str, finished: bool) -> list[dict[str, Any]]:
+        self.text += piece
+        plan = self.plan
+        if plan.mode == "named":
+            assert plan.named is not None
+            first = self.sent == 0 and not self.has_calls
+            self.has_calls = True
+            self.sent = len(self.text)
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": piece}}
+            if first:
+                call.update(id=self.call_id, type="function")
+                call["function"]["name"] = plan.named.function.name
+            return [{"tool_calls": [call]}] if piece or first else []
+        if plan.mode == "auto" and not finished:
+            if might_become_a_call(self.text[self.sent:]):
+                return []
+            out = self.text[self.sent:]
+            self.sent = len(self.text)
+            return [{"content": out}] if out else []
+        if not finished:
+            return []
+        content, calls = plan.calls(self.text[self.sent:] if plan.mode == "auto" else self.text)
+        deltas: list[dict[str, Any]] = []
+        if content:
+            deltas.append({"content": content})
+        if calls:
+            self.has_calls = True
+            deltas.append({"tool_calls": [c.as_dict(index=i) for i, c in enumerate(calls)]})
+        self.sent = len(self.text)
+        return deltas

@@ -97,3 +97,40 @@ def test_stop_string_cut_and_deltas_match_text(tiny_llama_dir: Path) -> None:
     cut = llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[:text.index(stop)]
+
+
+def test_a_degenerate_temperature_harms_no_neighbour(tiny_llama_dir: Path) -> None:
+    """temperature 1e-300 used to turn float32 logits into inf/NaN and fail the whole step."""
+    llm = LLM(str(tiny_llama_dir), block_size=8, num_kv_blocks=128)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([toks(9, 1)], greedy)[0].outputs[0].token_ids
+    outs = llm.generate([toks(9, 1), toks(9, 2), toks(9, 3)],
+                        [greedy, SamplingParams(temperature=1e-300, max_tokens=10, ignore_eos=True),
+                         SamplingParams(temperature=1e-40, max_tokens=10, ignore_eos=True)])
+    assert outs[0].outputs[0].token_ids == alone
+    assert [len(o.outputs[0].token_ids) for o in outs] == [10, 10, 10] and all(o.error is None for o in outs)
+
+
+def test_non_finite_logits_fail_only_their_request(tiny_llama_dir: Path) -> None:
+    """Fault injection at the sampling stage: one request's logits turn NaN mid-run."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
+    core = engine.core
+    real = core._sample
+
+    def poisoned(logits, targets):  # type: ignore[no-untyped-def]
+        for i, seq in enumerate(targets):
+            if seq.request_id == "bad" and seq.num_output_tokens == 2:
+                logits[i, 0] = float("nan")
+        return real(logits, targets)
+
+    core._sample = poisoned  # type: ignore[method-assign]
+    for rid in ("a", "bad", "b"):
+        engine.add_request(rid, toks(6, ord(rid[0])), SamplingParams(max_tokens=6, ignore_eos=True, temperature=0))
+    done: dict[str, object] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["bad"].error is not None and "non-finite" in done["bad"].error.message  # type: ignore[attr-defined]
+    assert all(done[r].error is None for r in ("a", "b"))  # type: ignore[attr-defined]
+    assert engine.stats().kv_blocks_used == 0

@@ -282,3 +282,26 @@ def test_prompt_logprobs_survive_chunked_prefill(tiny_llama_dir: Path, hf: tuple
     got = [d[t] for d, t in zip(out.prompt_logprobs[1:], ids[1:])]             # type: ignore[index]
     torch.testing.assert_close(torch.tensor(got), ref[range(len(ids) - 1), ids[1:]], atol=LOGPROB_TOL, rtol=0)
     assert llm.stats().kv_blocks_used == 0
+
+
+def test_sampling_controls_through_the_openai_client(client: OpenAI, model_name: str, server: ServerThread) -> None:
+    tok = server.state.engine.tokenizer  # type: ignore[union-attr]
+    forced = tok.encode(" cache", add_special_tokens=False)[0]
+    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5, temperature=0,
+                                    logit_bias={str(forced): 100}, extra_body={"return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == [forced] * 5
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    ids = plain.choices[0].model_extra["token_ids"]
+    if len(set(ids)) < len(ids):                  # greedy repeats itself: a penalty must change that
+        penalized = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                              frequency_penalty=2.0, presence_penalty=2.0,
+                                              extra_body={"return_token_ids": True, "ignore_eos": True})
+        assert penalized.choices[0].model_extra["token_ids"] != ids
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, temperature=0.7, seed=1,
+                                          extra_body={"min_p": 0.2, "repetition_penalty": 1.3, "min_tokens": 2})
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 2
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, presence_penalty=3.0)
+    assert exc.value.param == "presence_penalty"
