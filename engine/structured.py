@@ -74,7 +74,8 @@ class Grammars:
     def _compile(self, spec: StructuredSpec) -> Any:
         c = self._compiler
         if spec.kind == "json":
-            return c.compile_grammar(str(self._xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)))
+            any_object = self._xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+            return c.compile_grammar(str(any_object))
         if spec.kind == "json_schema":
             # NOTE: compact separators (a model does not wander into whitespace), and strings whose
             # length the schema bounds kept free of raw control characters: xgrammar's length-bounded
