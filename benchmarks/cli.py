@@ -3,8 +3,8 @@
     python -m benchmarks.cli memory --quick
     python -m benchmarks.cli prefix --quick --out /tmp/results
 
-Names: throughput, memory, prefix, sharing (ours: each writes <name>.md/.png/.json into --out and prints
-`RESULT {json}` last), serving (benchmarks/serving.py) and kernels (benchmarks/kernels.py, CUDA only).
+Names: throughput, memory, prefix, sharing, routing (ours: each writes <name>.md/.png/.json into --out and
+prints `RESULT {json}` last), serving (benchmarks/serving.py) and kernels (benchmarks/kernels.py, CUDA only).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-OURS = ("throughput", "memory", "prefix", "sharing", "structured")
+OURS = ("throughput", "memory", "prefix", "sharing", "structured", "routing")
 DELEGATED = ("serving", "kernels")
 PROG = "prefixserve bench"
 

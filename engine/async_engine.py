@@ -130,7 +130,7 @@ class _StepResult:
     accepted: list[str] = field(default_factory=list)
     failures: list[tuple[str, EngineError]] = field(default_factory=list)            # request id, error
     pins: list[tuple[str, PinnedPrefix | None, EngineError | None]] = field(default_factory=list)
-    unpins: list[tuple[asyncio.Future[int], int]] = field(default_factory=list)
+    unpins: list[tuple[asyncio.Future[int], int]] = field(default_factory=list)   # unpin and reset answers
     stats: EngineStats | None = None
 
 
@@ -176,6 +176,7 @@ class AsyncEngine:
         for rid, stream in list(self._streams.items()):
             stream._fail(rid, EngineDead("the engine is shutting down"))
         self._executor.shutdown(wait=True)
+        self.core.close()
 
     @property
     def is_running(self) -> bool:
@@ -240,6 +241,12 @@ class AsyncEngine:
     async def unpin_prefix(self, token_ids: list[int]) -> int:
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._send(("unpin", fut, list(token_ids)))
+        return await fut
+
+    async def reset_prefix_cache(self) -> int:
+        """Drops every evictable cached block on the engine thread; returns how many."""
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._send(("reset", fut))
         return await fut
 
     def stats(self) -> EngineStats:
@@ -327,6 +334,8 @@ class AsyncEngine:
             self._pins_waiting.discard(cmd[1])
         elif kind == "unpin":
             res.unpins.append((cmd[1], engine.unpin_prefix(cmd[2])))
+        elif kind == "reset":
+            res.unpins.append((cmd[1], engine.core.reset_prefix_cache()))
 
     def _deliver(self, res: _StepResult) -> None:
         if res.stats is not None:

@@ -140,7 +140,8 @@ class BlockManager:
                 state.hashes = self.block_hashes(token_ids[:full * self.block_size], state.hashes)
             b = self.block_size
             for i in range(state.num_cached_blocks, full):
-                self.pool.cache_full_block(state.blocks[i], state.hashes[i], token_ids[i * b:(i + 1) * b])
+                self.pool.cache_full_block(state.blocks[i], state.hashes[i], token_ids[i * b:(i + 1) * b],
+                                           parent=state.hashes[i - 1] if i > 0 else None)
         state.num_cached_blocks = full
 
     def fork(self, parent_id: int, child_id: int) -> None:

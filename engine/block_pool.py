@@ -11,6 +11,10 @@ Invariants
   the free queue. Pinned blocks never enter it.
 - Lazy eviction: a freed block keeps its hash (and stays findable) until `allocate` hands its memory
   out again; only then is the hash dropped.
+- Events: when a `BlockEvents` sink is given, every change to the set of cached hashes is reported to
+  it, in order: `stored` where a block is given its hash, `removed` where a hash is dropped (eviction,
+  prefix-cache reset), `cleared` when a reset leaves no hash at all. The pool only calls the sink; what
+  it does with the records (vLLM-format KV events, engine/kv_events.py) is not the pool's business.
 """
 from __future__ import annotations
 
@@ -18,9 +22,20 @@ import hashlib
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, Protocol
 
 BlockHash = NewType("BlockHash", bytes)
+
+
+class BlockEvents(Protocol):
+    """Receives the pool's cache changes. Called on the engine thread in the middle of allocation:
+    an implementation records and returns (O(1), no I/O, never blocks)."""
+
+    def stored(self, block_hash: BlockHash, parent: BlockHash | None, token_ids: tuple[int, ...]) -> None: ...
+
+    def removed(self, block_hash: BlockHash) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 def root_hash(fingerprint: str) -> BlockHash:
@@ -138,7 +153,8 @@ class PoolStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, max_pinned_blocks: int | None = None) -> None:
+    def __init__(self, num_blocks: int, max_pinned_blocks: int | None = None,
+                 events: BlockEvents | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -146,6 +162,7 @@ class BlockPool:
         self.cached: dict[BlockHash, Block] = {}
         self.max_pinned_blocks = num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
         self.num_pinned = 0
+        self.events = events
 
     @property
     def num_blocks_total(self) -> int:
@@ -164,12 +181,22 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                block.block_hash, block.token_ids = None, ()
+                dropped = self._drop_hash(block)
+                if dropped is not None and self.events is not None:
+                    self.events.removed(dropped)
             block.ref_count = 1
             out.append(block)
         return out
+
+    def _drop_hash(self, block: Block) -> BlockHash | None:
+        """Forget a block's hash; returns it if this block was its cached copy (None if private)."""
+        assert block.block_hash is not None
+        dropped = None
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+            dropped = block.block_hash
+        block.block_hash, block.token_ids = None, ()
+        return dropped
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take one more reference on each block (a prefix-cache hit or a fork)."""
@@ -201,13 +228,37 @@ class BlockPool:
             return None
         return block
 
-    def cache_full_block(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """Give a just-filled block its hash. If another block already holds this content, the
-        existing one stays the cached copy and this one stays private."""
+    def cache_full_block(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int],
+                         parent: BlockHash | None = None) -> None:
+        """Give a just-filled block its hash (`parent`: the previous block's, None for a first block).
+        If another block already holds this content, the existing one stays the cached copy and this
+        one stays private."""
         if block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent, block.token_ids)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the hash of every evictable block (pinned and referenced blocks keep theirs); returns
+        how many were dropped. The blocks move to the head of the free queue, as unhashed blocks do.
+        Reported as one `cleared` when no hash is left at all, else one `removed` per hash."""
+        victims = [b for b in self.cached.values() if b.evictable]
+        dropped: list[BlockHash] = []
+        for block in victims:
+            self.free_queue.remove(block)
+            h = self._drop_hash(block)
+            if h is not None:
+                dropped.append(h)
+            self.free_queue.appendleft(block)
+        if self.events is not None and dropped:
+            if self.cached:
+                for h in dropped:
+                    self.events.removed(h)
+            else:
+                self.events.cleared()
+        return len(victims)
 
     # -- pinning ------------------------------------------------------------------------------
     def pin(self, blocks: Sequence[Block]) -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.kv_events import KVEventsConfig
+
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 
@@ -39,6 +41,9 @@ class EngineConfig:
     torch_threads: int | None = knob(None, "torch intra-op threads (default: torch's)")
     chat_template: str | None = knob(None, "a Jinja chat template (a file, or the template itself) replacing "
                                            "the checkpoint's")
+    kv_events_config: str | None = knob(None, "vLLM's KV-events JSON, e.g. '{\"enable_kv_cache_events\": true, "
+                                              "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}': block "
+                                              "stored / removed events over ZMQ (engine/kv_events.py)")
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -67,6 +72,8 @@ class EngineConfig:
             if not self.model.endswith(".gguf") and not (path / "config.json").is_file():
                 raise ValueError(f"model {self.model!r} is neither a .gguf file nor a Hugging Face checkpoint "
                                  "directory (a directory with config.json)")
+        if self.kv_events_config is not None:
+            KVEventsConfig.from_json(self.kv_events_config)     # ValueError naming what is wrong
         if self.attention_backend is None:
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -27,6 +27,8 @@ from engine.config import EngineConfig
 from engine.errors import CapacityExceeded, EngineError, InvalidRequest, QueueFull
 from engine.forks import Forks
 from engine.kv_cache import KVCache
+from engine.kv_event_publisher import ZmqEventPublisher
+from engine.kv_events import KVEventQueue, KVEventsConfig
 from engine.logits_processors import RowContext
 from engine.model_runner import ModelRunner
 from engine.models.chat_template import override_chat_template, read_chat_template
@@ -98,7 +100,9 @@ class EngineCore:
         num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
             args, config.block_size, dtype, config.kv_cache_memory_gb * 2**30)
         self.num_blocks_total = num_blocks              # immutable: make_request may read it off-thread
-        self.pool = BlockPool(num_blocks, max_pinned_blocks=int(num_blocks * config.pinned_fraction))
+        events = KVEventsConfig.from_json(config.kv_events_config) if config.kv_events_config else None
+        sink = KVEventQueue(events.max_queue_size) if events is not None and events.enabled else None
+        self.pool = BlockPool(num_blocks, max_pinned_blocks=int(num_blocks * config.pinned_fraction), events=sink)
         self.manager = BlockManager(self.pool, config.block_size, loaded.fingerprint, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.kv_cache = KVCache(args, num_blocks, config.block_size, dtype, config.device)
@@ -107,6 +111,9 @@ class EngineCore:
         self.sampler = Sampler()
         self.forks = Forks(self.manager, self.scheduler, self.new_seq, self.finish_seq)
         self.requests: dict[str, SequenceGroup] = {}
+        self.kv_events: ZmqEventPublisher | None = None    # started last: nothing to undo if loading fails
+        if sink is not None and events is not None:
+            self.kv_events = ZmqEventPublisher(events, sink, config.block_size).start()
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
         self._seq_ids = itertools.count()
@@ -242,6 +249,9 @@ class EngineCore:
             out.touch(seq.group)
         if not sched.scheduled:
             return out
+        for s in sched.scheduled:
+            if s.seq.group is not None and s.seq.group.times.scheduled is None:
+                s.seq.group.times.scheduled = time.monotonic()
         tables = [self.manager.block_table(s.seq.seq_id) for s in sched.scheduled]
         extra_rows, prompt_targets = self._prompt_logprob_rows(sched.scheduled)
         step_logits = self.runner.execute(sched.scheduled, tables, sched.copies, extra_rows)
@@ -391,6 +401,15 @@ class EngineCore:
             self.finish_seq(seq, "stop")
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish_seq(seq, "length")
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every evictable cached block (pinned prefixes and running requests keep theirs)."""
+        return self.pool.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stops what the core started besides itself (the KV-events publisher)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def stats(self) -> EngineStats:
         p = self.pool.stats()

@@ -34,10 +34,11 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = list(stop)
+        self._include_stop = include_stop      # a match keeps the stop string itself, cuts what follows
         self._max_held = max((len(s) for s in self._stop), default=1) - 1
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -117,8 +118,9 @@ class IncrementalDetokenizer:
 
     def _match_stop(self, text: str | None = None) -> bool:
         """Look for stop strings in `text` (default `_pending`); on a match, cut `_pending` right before
-        it and record it. The match that ends first wins, as if text arrived one character at a time,
-        so the result does not depend on how tokens split the text; on a tie the earlier start wins."""
+        it (right after it with `include_stop`) and record it. The match that ends first wins, as if text
+        arrived one character at a time, so the result does not depend on how tokens split the text; on a
+        tie the earlier start wins."""
         text = self._pending if text is None else text
         best: tuple[int, int, str] | None = None
         for stop in self._stop:
@@ -127,7 +129,7 @@ class IncrementalDetokenizer:
                 best = (at + len(stop), at, stop)
         if best is None:
             return False
-        self._pending = text[:best[1]]
+        self._pending = text[:best[0] if self._include_stop else best[1]]
         self.stop_reason = best[2]
         return True
 

@@ -38,7 +38,9 @@ class _RequestText:
     def of(self, seq: Sequence) -> IncrementalDetokenizer:
         detok = self.detoks.get(seq.seq_id)
         if detok is None:
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+            p = seq.params
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.stop, p.skip_special_tokens,
+                                           p.include_stop_str_in_output)
             self.detoks[seq.seq_id] = detok
         return detok
 
@@ -130,7 +132,8 @@ class OutputProcessor:
         n = group.params.n
         if group.beam is not None:
             eos = group.beam.eos_token_ids
-            outs = [CompletionOutput(i, self.tokenizer.decode(h.token_ids, skip_special_tokens=True), h.token_ids,
+            skip = group.params.skip_special_tokens
+            outs = [CompletionOutput(i, self.tokenizer.decode(h.token_ids, skip_special_tokens=skip), h.token_ids,
                                      "stop" if h.token_ids and h.token_ids[-1] in eos else "length",
                                      cumulative_logprob=h.logprob) for i, h in enumerate(group.beam.results(n))]
             return outs or [CompletionOutput(0, "", [], "abort")]     # ended before its first step

@@ -39,6 +39,7 @@ class RequestTimes:
     arrival: float
     first_token: float | None = None
     finished: float | None = None
+    scheduled: float | None = None      # first put in a step's batch (queue time ends here)
 
 
 @dataclass

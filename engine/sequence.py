@@ -43,6 +43,8 @@ class SamplingParams:
     min_tokens: int = 0
     min_p: float = 0.0                  # keep tokens with probability >= min_p * the top token's
     structured: StructuredSpec | None = None   # constrained decoding (engine/structured.py)
+    skip_special_tokens: bool = True    # special tokens (EOS, template markers) left out of the text
+    include_stop_str_in_output: bool = False   # the matched stop string ends the text instead of being cut
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

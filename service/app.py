@@ -17,7 +17,20 @@ from aiohttp import web
 
 from engine.config import EngineConfig
 from prefix_store import MemoryPrefixStore, PrefixStore, StoreUnavailable
-from service import chat, completions, openapi, prefixes, status, tokens, websocket
+from service import (
+    access_log,
+    auth,
+    chat,
+    completions,
+    cross_site,
+    openapi,
+    prefixes,
+    security_headers,
+    status,
+    tokens,
+    websocket,
+    worker_api,
+)
 from service.config import ServiceConfig
 from service.errors import error_middleware
 from service.metrics import METRICS, Metrics, metrics_middleware
@@ -32,10 +45,18 @@ _LOADER = web.AppKey("engine_loader", asyncio.Task)
 
 
 def create_app(config: ServiceConfig) -> web.Application:
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[metrics_middleware, error_middleware])
+    # Outermost first: the access log sees every answer; errors raised by the cross-site and key
+    # checks become OpenAI-shaped answers that the metrics count.
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
+        access_log.access_log_middleware, metrics_middleware, error_middleware, cross_site.cross_site_middleware,
+        auth.auth_middleware])
     state = ServiceState(config)
     app[STATE] = state
-    app[METRICS] = Metrics(lambda: state.engine.stats() if state.engine is not None else None)
+    app[METRICS] = Metrics(state)
+    access_log.setup(app)
+    auth.setup(app, config)
+    cross_site.setup(app, config)
+    security_headers.setup(app)
     app.cleanup_ctx.append(_engine_ctx)
     app.on_shutdown.append(_start_draining)
     websocket.setup(app)
@@ -46,6 +67,7 @@ def create_app(config: ServiceConfig) -> web.Application:
     app.router.add_get("/v1/models/{model}", status.get_model)
     app.router.add_get("/version", status.version)
     tokens.setup(app)
+    worker_api.setup(app)
     app.router.add_get("/health", status.health)
     app.router.add_get("/metrics", status.metrics)
     app.router.add_get("/openapi.json", openapi.handle)

@@ -41,9 +41,10 @@ def serve(config: ServiceConfig) -> None:
     import uvloop
     from aiohttp import web
 
+    from service import logs
     from service.app import create_app, server_options
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(config.log_format, config.log_level)
     web.run_app(create_app(config), host=config.host, port=config.port, loop=uvloop.new_event_loop(),
                 print=lambda msg: logging.getLogger("service").info(msg.strip()), **server_options(config))
 

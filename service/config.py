@@ -5,10 +5,17 @@ PREFIXSERVE_* variables are generated from both dataclasses' fields (service/fla
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.config import EngineConfig, knob
+
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# A key is an RFC 7230 token: browsers send it as a WebSocket subprotocol, which must be one.
+_KEY_RE = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]+")
+_ORIGIN_RE = re.compile(r"https?://[a-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9a-f:.]+\](:[0-9]{1,5})?")
 
 
 @dataclass
@@ -28,6 +35,15 @@ class ServiceConfig:
     keepalive_timeout: float = knob(30.0, "seconds an idle connection, or one whose request headers never "
                                           "complete, is kept open")
     body_timeout: float = knob(30.0, "seconds a request body may take to arrive (then 408)")
+    api_key: tuple[str, ...] = knob((), "API keys, comma-separated: every endpoint but /health (and the demo "
+                                        "page's files) then needs `Authorization: Bearer <key>`")
+    admin_key: tuple[str, ...] = knob((), "admin keys, comma-separated: then required for registry writes and "
+                                          "to read a prefix's source; an admin key is also an API key")
+    metrics_require_key: bool = knob(True, "/metrics needs a key like the API (with --api-key set)")
+    allowed_origins: tuple[str, ...] = knob((), "web origins allowed cross-origin (CORS) and on the WebSocket, "
+                                                "comma-separated, e.g. https://app.example.com; * for any")
+    log_format: str = knob("text", "log lines as text or as one JSON object each", LOG_FORMATS)
+    log_level: str = knob("info", "least severe level logged (access lines are info)", LOG_LEVELS)
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -45,7 +61,15 @@ class ServiceConfig:
              "served_model_name must not be blank"),
             (self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
              f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}"),
+            (self.log_format in LOG_FORMATS, f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}"),
+            (self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}"),
         ]
+        for name in ("api_key", "admin_key"):
+            checks += [(_KEY_RE.fullmatch(k) is not None, f"{name}: a key must be letters, digits or "
+                        "!#$%&'*+-.^_`|~ (it may travel as a WebSocket subprotocol)") for k in getattr(self, name)]
+        self.allowed_origins = tuple(o.lower().rstrip("/") for o in self.allowed_origins)
+        checks += [(o == "*" or _ORIGIN_RE.fullmatch(o) is not None, f"allowed_origins: {o!r} is not an "
+                    "origin (scheme://host[:port], or *)") for o in self.allowed_origins]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

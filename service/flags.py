@@ -3,6 +3,7 @@
 Every field of EngineConfig and ServiceConfig becomes `--field-name` (underscores to dashes), read also
 from `PREFIXSERVE_FIELD_NAME`, typed from the field's annotation (`int | None` accepts "none"), with
 the field's default and `metadata["help"]`. A flag given on the command line wins over the variable.
+A `tuple[str, ...]` field (several API keys, origins) is written comma-separated: `--api-key a,b`.
 """
 from __future__ import annotations
 
@@ -30,8 +31,16 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)}), got {text!r}")
 
 
+def _parse_list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
 def _converter(annotation: Any) -> tuple[Callable[[str], Any], bool]:
-    """(string -> value, is_bool) for a field annotation such as `int`, `str | None`, `bool`."""
+    """(string -> value, is_bool) for a field annotation such as `int`, `str | None`, `bool`,
+    `tuple[str, ...]`."""
+    if typing.get_origin(annotation) is tuple:
+        assert typing.get_args(annotation) == (str, ...), f"unsupported config annotation {annotation!r}"
+        return _parse_list, False
     optional = False
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]

@@ -63,6 +63,7 @@ class Generation:
         self._open = len(prompts)                 # engine requests not yet finished
         self._finished: set[int] = set()          # choices whose finish_reason went out
         self._started: set[int] = set()           # prompts whose first token went out
+        self._generated: dict[int, int] = {}      # prompt -> tokens sampled, as counted in the metrics
         self._on_finish = on_finish               # called once, when every request has finished
         self._closed = False
         self._echo = echo                         # per prompt, its text, put before each of its choices
@@ -102,6 +103,7 @@ class Generation:
 
     def _deltas(self, out: RequestOutput) -> list[ChoiceDelta]:
         prompt = self._prompt_of[out.request_id]
+        self._generated[prompt] = self._metrics.progress(out, self._generated.get(prompt, 0))
         if prompt not in self._started and out.num_generated_tokens:
             self._started.add(prompt)
             self._metrics.first_token(out)

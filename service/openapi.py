@@ -12,7 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from service import schema
+from service import schema, worker_api
 from service.protocol import UNSUPPORTED_FIELDS
 from service.state import STATE
 
@@ -113,9 +113,31 @@ def spec(model: str, max_choices: int, max_model_len: int | None, version: str =
                         "responses": {"200": _answer("the prefix"), **_errors(404, 503)}},
                 "delete": {"summary": "Unregister (unpin) a prefix; its blocks become ordinary cached blocks",
                            "responses": {"200": _answer("deleted"), **_errors(404, 503)}}},
+            **_worker_paths(),
         },
         "components": {"schemas": schemas},
     }
+
+
+def _worker_paths() -> dict[str, Any]:
+    """service/worker_api.py's routes (what a router asks of a worker), bodies as they are validated."""
+    def post(summary: str, model: str | None) -> dict[str, Any]:
+        body = {} if model is None else {"requestBody": _body(model)}
+        responses = {"200": _answer("ok"), **_errors(400, 404, 413, 503)}
+        return {"post": {"summary": summary, **body, "responses": responses}}
+
+    bodies: dict[str, tuple[str, str | None]] = {
+        "/v1/completions/render": ("Token ids a completion would run, named prefix included (vLLM's render)",
+                                   "CompletionRequest"),
+        "/v1/chat/completions/render": ("Token ids a chat completion would run (vLLM's render)",
+                                        "ChatCompletionRequest"),
+        "/flush_cache": ("Forget every evictable cached block (SGLang's name)", None),
+        "/reset_prefix_cache": ("Forget every evictable cached block (vLLM's name)", None),
+    }
+    assert set(bodies) == set(worker_api.POSTS), "every worker route is documented"
+    paths = {path: _get((handler.__doc__ or path).split("\n")[0], "application/json", 503)
+             for path, handler in worker_api.GETS.items()}
+    return {**paths, **{path: post(*bodies[path]) for path in worker_api.POSTS}}
 
 
 async def handle(request: web.Request) -> web.Response:

@@ -2,7 +2,8 @@
 service/prepare.py says).
 
 Names resolve in the replica's local view of the registry (never in Redis: the store is not on the
-per-request path). A request that named a prefix is counted in the per-prefix metrics when it ends.
+per-request path). A request that named a prefix is counted against it in the registry's local view
+when it ends (the per-prefix metrics read those counts).
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from collections.abc import Callable
 from aiohttp import web
 
 from service.generation import Usage
-from service.metrics import METRICS
 from service.prepare import PrefixSnapshot
 from service.registry_errors import PrefixNotFound
 from service.state import STATE
@@ -37,7 +37,6 @@ def on_prefix_use(app: web.Application, prefix: str | None) -> Callable[[Usage],
         return None
 
     def record(usage: Usage) -> None:
-        hit, saved = registry.record_use(prefix, usage.cached_tokens)
-        app[METRICS].prefix_used(prefix, hit, saved)
+        registry.record_use(prefix, usage.cached_tokens)
 
     return record

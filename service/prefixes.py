@@ -5,6 +5,7 @@ from typing import Any
 
 from aiohttp import web
 
+from service.auth import is_admin
 from service.errors import ApiError, invalid
 from service.prepare import off_loop
 from service.protocol import encode_prompt, parse_body, read_body, render_messages, template_messages
@@ -57,14 +58,19 @@ async def create_prefix(request: web.Request) -> web.Response:
     return web.json_response(registry.describe(entry, record, loaded=entry is not None), status=201 if created else 200)
 
 
+def _visible(request: web.Request, entry: dict[str, Any]) -> dict[str, Any]:
+    """A prefix as this caller may see it: its source text (a system prompt) only for admins."""
+    return entry if is_admin(request) else {**entry, "source": None}
+
+
 async def list_prefixes(request: web.Request) -> web.Response:
     registry = _registry(request)
-    return web.json_response({"object": "list", "data": await registry.list()})
+    return web.json_response({"object": "list", "data": [_visible(request, e) for e in await registry.list()]})
 
 
 async def get_prefix(request: web.Request) -> web.Response:
     registry = _registry(request)
-    return web.json_response(await registry.get(request.match_info["name"]))
+    return web.json_response(_visible(request, await registry.get(request.match_info["name"])))
 
 
 async def delete_prefix(request: web.Request) -> web.Response:

@@ -97,7 +97,9 @@ def tokenize(parsed: Parsed, tokenizer: Any, prefix: PrefixSnapshot | None, max_
             raise invalid("this model's chat template does not show tools to the model, so it cannot choose to call "
                           "one: use tool_choice \"required\" or name a function", "tool_choice")
         tools = plan.template_tools() if plan is not None else None
-        return [render_messages(messages, tokenizer, add_generation_prompt=True, tools=tools)]
+        cont = bool(body.continue_final_message)
+        return [render_messages(messages, tokenizer, add_generation_prompt=body.add_generation_prompt is not False
+                                and not cont, tools=tools, continue_final=cont)]
     if prefix is None:
         prompts = parse_prompts(body, tokenizer)
     else:

@@ -125,6 +125,12 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
         raise invalid(refused[0][1], refused[0][0])
     max_tokens = req.max_tokens
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
+    if isinstance(req, ChatCompletionRequest) and req.continue_final_message:
+        if req.add_generation_prompt:
+            raise invalid("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message")
+        if req.messages[-1].role != "assistant":
+            raise invalid("continue_final_message needs the last message to be the assistant's", "messages")
     if max_tokens == 0 and not echo:
         raise invalid("max_tokens must be >= 1 (0 is for scoring a prompt with echo)", "max_tokens")
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
@@ -158,7 +164,9 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
             logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
             min_tokens=req.min_tokens or 0, min_p=req.min_p or 0.0, structured=structured,
             early_stopping=False if req.early_stopping is None else req.early_stopping,
-            length_penalty=1.0 if req.length_penalty is None else req.length_penalty)
+            length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+            skip_special_tokens=req.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output or req.no_stop_trim))
     except InvalidRequest as exc:
         raise invalid(exc.message, exc.param) from None
     options = req.stream_options
@@ -219,17 +227,18 @@ def parse_messages(messages: list[ChatMessage], tokenizer: Any) -> list[int]:
 
 
 def render_text(clean: list[dict[str, Any]], tokenizer: Any, add_generation_prompt: bool,
-                tools: list[dict[str, Any]] | None = None) -> str:
-    """The chat template's rendering of `clean` messages (and `tools`, for templates that take them)."""
+                tools: list[dict[str, Any]] | None = None, continue_final: bool = False) -> str:
+    """The chat template's rendering of `clean` messages (and `tools`, for templates that take them).
+    `continue_final`: the last message is left open, for the model to go on with it."""
     try:
         return str(tokenizer.apply_chat_template(clean, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=False))
+                                                 continue_final_message=continue_final, tokenize=False))
     except Exception as exc:  # a template that raises on this input (jinja's raise_exception, bad roles)
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
 
 
 def render_messages(clean: list[dict[str, Any]], tokenizer: Any, add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, continue_final: bool = False) -> list[int]:
     """Token ids of the chat template's rendering; the template adds the special tokens.
 
     NOTE: message content is text. A message holding the text of a special token (a user typing
@@ -237,14 +246,14 @@ def render_messages(clean: list[dict[str, Any]], tokenizer: Any, add_generation_
     tokens, never as the control token: the template's own parts and each content are encoded apart,
     the contents with the special tokens split. Content without such text (nearly all) is encoded with
     the whole rendering at once, exactly as before."""
-    text = render_text(clean, tokenizer, add_generation_prompt, tools)
+    text = render_text(clean, tokenizer, add_generation_prompt, tools, continue_final)
     specials = _special_texts(tokenizer)
     contents = [m["content"] for m in clean]
     if not any(s in c for c in contents for s in specials):
         return list(tokenizer.encode(text, add_special_tokens=False))
     marks = [f"\ue000{i}\ue001" for i in range(len(clean))]          # private-use code points
     marked = render_text([{**m, "content": mark} for m, mark in zip(clean, marks)], tokenizer,
-                         add_generation_prompt, tools)
+                         add_generation_prompt, tools, continue_final)
     pieces, rest = [], marked
     for mark in marks:
         if rest.count(mark) != 1:

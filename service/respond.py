@@ -7,6 +7,7 @@ from typing import Any
 from aiohttp import web
 
 from service import sse
+from service.access_log import record_usage
 from service.generation import ChoiceDelta, Generation
 from service.metrics import METRICS
 from service.prefix_hook import on_prefix_use, snapshot
@@ -52,3 +53,4 @@ async def respond(request: web.Request, prompts: list[list[int]], req: Generatio
         return web.json_response({**body(gen, choices), "usage": gen.usage.as_dict()})
     finally:
         gen.close()
+        record_usage(request, gen.usage)

@@ -8,7 +8,15 @@ Extensions beyond the OpenAI API (vLLM's names where vLLM has the field):
   prefix                     name of a registered prefix to put before the prompt (ours)
   top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
   best_of (chat too), use_beam_search, length_penalty, early_stopping, return_token_ids,
-  guided_json, guided_regex, guided_choice (completions)                         (vLLM's)
+  guided_json, guided_regex, guided_choice (completions), skip_special_tokens,
+  include_stop_str_in_output, add_generation_prompt and continue_final_message (chat)  (vLLM's)
+  no_stop_trim (= include_stop_str_in_output), return_hidden_states (false only),
+  separate_reasoning, stream_reasoning, include_reasoning (true only)                   (SGLang's)
+
+SGLang's fields are those vllm-router writes into every request it forwards, at their defaults. The
+three reasoning fields only matter to a server with a reasoning parser; this one has none, so the
+model's text is never split into reasoning and content (what SGLang does without a parser), and
+include_reasoning=false (drop the reasoning) is refused.
 
 Server-dependent limits (n and best_of against `max_choices`, max_tokens against the context length)
 are checked by the handlers; the OpenAPI document narrows the schemas to this server's values.
@@ -137,6 +145,13 @@ class _Sampling(_Strict):
     length_penalty: Annotated[float, Field(ge=-10.0, le=10.0)] | None = None
     early_stopping: bool | Literal["never"] | None = None
     response_format: ResponseFormat | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    no_stop_trim: bool | None = None
+    return_hidden_states: Literal[False] | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: Literal[True] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -169,6 +184,8 @@ class ChatCompletionRequest(_Sampling):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool | None = None     # default true: the template opens the assistant's turn
+    continue_final_message: bool | None = None    # the last (assistant) message left open, to be continued
 
 
 NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"     # no "." or ".." alone, no trailing newline
@@ -196,6 +213,7 @@ class TokenizeChat(_Strict):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False    # the last message left open (vLLM's field)
     add_special_tokens: bool = False
     return_token_strs: bool = False
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None

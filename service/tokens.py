@@ -24,14 +24,17 @@ def _tokenize(raw: bytes, tokenizer: Any, served: str, max_model_len: int) -> di
     check_model(body.model, served)
     if isinstance(body, TokenizeChat):
         tools = [t.model_dump() for t in body.tools] if body.tools else None
-        ids = render_messages(template_messages(body.messages), tokenizer, body.add_generation_prompt, tools)
+        if body.continue_final_message and body.add_generation_prompt:
+            raise invalid("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message")
+        ids = render_messages(template_messages(body.messages), tokenizer, body.add_generation_prompt, tools,
+                              body.continue_final_message)
         if body.add_special_tokens:      # what the tokenizer puts around any text (e.g. a BOS), added once
             ids = list(tokenizer.encode("", add_special_tokens=True)) + ids
     else:
         ids = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-    out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
-    if body.return_token_strs:
-        out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                           "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
     return out
 
 

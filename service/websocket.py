@@ -30,6 +30,8 @@ import pydantic_core
 from aiohttp import WSMsgType, web
 
 from engine.errors import EngineError
+from service.access_log import record_usage
+from service.auth import WS_PROTOCOL
 from service.errors import ApiError, from_engine, from_registry, invalid
 from service.generation import Generation
 from service.logprobs import chat_logprobs
@@ -150,6 +152,7 @@ class Session:
         finally:
             if live.gen is not None:
                 live.gen.close()
+                record_usage(self.request, live.gen.usage)
             self.live.pop(key, None)
             if self.draining and not self.live:
                 await self.ws.close(code=1001, message=b"server shutting down")
@@ -181,7 +184,8 @@ SESSIONS: web.AppKey[set[Session]] = web.AppKey("ws_sessions")
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=request.app[STATE].config.max_body_bytes)
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=request.app[STATE].config.max_body_bytes,
+                               protocols=(WS_PROTOCOL,))  # offered with a key by browsers (service/auth.py)
     if not ws.can_prepare(request).ok:
         raise invalid("GET /v1/ws expects a WebSocket upgrade request")
     request.app[STATE].ready_engine()

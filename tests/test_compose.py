@@ -1,58 +1,99 @@
-"""compose.yaml: its structure, and its engine command line run for real against a local redis-server."""
+"""compose.yaml: its structure, and its router and engine commands run for real on loopback: the real
+vllm-router (through the router image's entrypoint) in front of three engine processes and a redis-server."""
 from __future__ import annotations
 
+import re
+from importlib import metadata
 from pathlib import Path
 
-import yaml
+import redis as redis_py
 
+from engine.kv_events import KVEventsConfig
 from service.cli import parser
-from tests.helpers.redis_server import RedisServer
-from tests.helpers.server import ROOT, ServerProcess, http
-
-
-def compose() -> dict:
-    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+from tests.helpers.compose_cluster import Cluster, compose, engine_args, interpolate
+from tests.helpers.router_process import ENTRYPOINT, ReplicaPorts
+from tests.helpers.server import ROOT, http
 
 
 def test_compose_structure() -> None:
     c = compose()
-    redis, engine = c["services"]["redis"], c["services"]["engine"]
+    router, engine, redis = (c["services"][s] for s in ("router", "engine", "redis"))
     assert "--appendonly" in redis["command"] and redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
     assert any(v.startswith("redis-data:") for v in redis["volumes"]) and "redis-data" in c["volumes"]
     assert "redis-cli" in redis["healthcheck"]["test"]
+    # one published port, the router's
+    assert router["ports"] == ["8000:8000"]
+    assert [name for name, s in c["services"].items() if "ports" in s] == ["router"]
+    # the router: the upstream package, pinned, from Dockerfile.router; its entrypoint is ours
+    version = router["build"]["args"]["VLLM_ROUTER_VERSION"]
+    assert router["build"]["dockerfile"] == "Dockerfile.router" and version == metadata.version("vllm-router")
+    dockerfile = (ROOT / "Dockerfile.router").read_text()
+    assert f"ARG VLLM_ROUTER_VERSION={version}" in dockerfile
+    assert 'pip install "vllm-router==${VLLM_ROUTER_VERSION}"' in dockerfile
+    assert "COPY deploy/router-entrypoint.sh /usr/local/bin/router-entrypoint" in dockerfile
+    assert router["command"] == ["router-entrypoint"] and ENTRYPOINT.stat().st_mode & 0o111
+    assert router["depends_on"]["engine"]["condition"] == "service_healthy"
+    assert "/readiness" in " ".join(router["healthcheck"]["test"])
+    env = router["environment"]
+    assert interpolate(env["ROUTER_POLICY"], {}) == "cache_aware"
+    assert interpolate(env["ROUTER_POLICY"], {"ROUTER_POLICY": "kv_aware"}) == "kv_aware"
+    # one variable scales both sides: the replicas and the router's list of them
+    assert env["ENGINE_REPLICAS"] == engine["deploy"]["replicas"] == "${ENGINE_REPLICAS:-3}"
+    assert interpolate(env["ENGINE_URL"], {}) % 2 == "http://prefixserve-engine-2:8000"
+    # the engines: no host port, Redis, health on /health, vLLM-format KV events where the router looks
     assert engine["build"]["context"] == "."
     assert engine["depends_on"]["redis"]["condition"] == "service_healthy"
     assert engine["environment"]["PREFIXSERVE_REDIS_URL"].startswith("redis://redis:")
     assert any(v.endswith(":/models:ro") for v in engine["volumes"])
     assert "/health" in " ".join(engine["healthcheck"]["test"])
-    assert "replicas" in engine["deploy"]
     assert (ROOT / "Dockerfile").exists()
-    cmd = engine["command"]
+    cmd = [interpolate(a, {}) for a in engine["command"]]
     assert cmd[:2] == ["prefixserve", "serve"]
-    parser().parse_args(cmd[1:])                         # every flag is a real CLI flag
+    args = parser().parse_args(cmd[1:])                 # every flag is a real CLI flag
+    events = KVEventsConfig.from_json(args.kv_events_config)
+    assert events.enabled and events.endpoint == "tcp://*:5557" and events.replay_endpoint == "tcp://*:5558"
+    assert env["ENGINE_KV_EVENTS"].endswith(":5557") and env["ENGINE_KV_REPLAY"].endswith(":5558")
+    assert args.served_model_name == interpolate(env["MODEL_NAME"], {}) == "prefixserve"
+    assert str(args.block_size) == interpolate(env["BLOCK_SIZE"], {}) == "16"
 
 
-def test_compose_engine_command_runs(tiny_llama_dir: Path) -> None:
-    cmd = compose()["services"]["engine"]["command"][2:]
-    args = []
-    skip = False
-    for a in cmd:                          # host and port are the test's; the model is mounted here
-        if skip:
-            skip = False
-            continue
-        if a in ("--host", "--port"):
-            skip = True
-            continue
-        args.append(str(tiny_llama_dir) if a == "/models" else a)
-    with RedisServer() as redis:
-        srv = ServerProcess(args, env={"PREFIXSERVE_REDIS_URL": redis.url}).start()
-        try:
-            status, rec = http("POST", f"{srv.url}/v1/prefixes", {"name": "compose", "prompt": "hello " * 40})
+def test_interpolate_is_composes() -> None:
+    assert interpolate("${A:-x} ${A-y} ${B} $${A}", {"A": ""}) == "x   ${A}"
+    assert interpolate("${A:?set A}", {"A": "1"}) == "1"
+    try:
+        interpolate("${MODEL_DIR:?set MODEL_DIR}", {})
+        raise AssertionError("must refuse")
+    except ValueError as exc:
+        assert "set MODEL_DIR" in str(exc)
+
+
+def test_engine_args_are_the_compose_command(tiny_llama_dir: Path) -> None:
+    ports = ReplicaPorts(2)
+    args = engine_args(tiny_llama_dir, ports, 2, {})
+    assert "--host" not in args and "--port" not in args and str(tiny_llama_dir) in args
+    assert KVEventsConfig.from_json(args[args.index("--kv-events-config") + 1]).endpoint == \
+        f"tcp://*:{ports.events * 10 + 2}"
+
+
+def test_compose_commands_run(tiny_llama_dir: Path) -> None:
+    cluster = Cluster(tiny_llama_dir, n=3).start()
+    try:
+        with cluster.router() as router:                  # compose's default policy
+            assert "policy: CacheAware" in router.log()
+            status, workers = http("GET", f"{router.url}/workers")
+            assert status == 200 and sorted(w["url"] for w in workers["workers"]) == \
+                sorted(r.url for r in cluster.replicas) and all(w["is_healthy"] for w in workers["workers"])
+            status, out = http("POST", f"{router.url}/v1/completions",
+                               {"model": "prefixserve", "prompt": "hello", "max_tokens": 2})
+            assert status == 200 and out["model"] == "prefixserve", out
+            status, rec = http("POST", f"{router.url}/v1/prefixes", {"name": "compose", "prompt": "hello " * 40})
             assert status == 201, rec
-            assert redis.url                                       # the record went to this Redis:
-            import redis as redis_py
-            client = redis_py.Redis.from_url(redis.url)
-            assert any(b"compose" in k for k in client.keys("*"))
+            client = redis_py.Redis.from_url(cluster.redis.url)
+            assert any(b"compose" in k for k in client.keys("*"))      # the record went to this Redis
             client.close()
-        finally:
-            srv.stop()
+        with cluster.router("kv_aware") as router:          # each replica's ZMQ stream is attached
+            log = router.log()
+            assert "policy: KvAware" in log and len(re.findall(r"spawned subscriber rank0", log)) == 3
+            assert http("POST", f"{router.url}/v1/completions", {"prompt": "hi", "max_tokens": 1})[0] == 200
+    finally:
+        cluster.stop()

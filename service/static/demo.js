@@ -9,6 +9,15 @@ let socket = null;
 let nextId = 1;
 const pending = new Map(); // WebSocket generation id -> handlers
 
+// The API key, when the server has --api-key: kept for this tab (sessionStorage), sent as a Bearer
+// header, and on the WebSocket as the subprotocol "openai-insecure-api-key.<key>" next to
+// "prefixserve" (a browser cannot set headers on a WebSocket; the server selects "prefixserve").
+const apiKey = () => sessionStorage.getItem("prefixserve-api-key") || "";
+function authed(init = {}) {
+  const key = apiKey();
+  return key ? { ...init, headers: { ...(init.headers || {}), Authorization: "Bearer " + key } } : init;
+}
+
 function addMessage(role, text) {
   const el = document.createElement("div");
   el.className = "msg " + role;
@@ -71,7 +80,8 @@ function request(messages) {
 function connect() {
   if (socket && socket.readyState <= WebSocket.OPEN) return Promise.resolve(socket);
   return new Promise((resolve, reject) => {
-    const ws = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws");
+    const protocols = apiKey() ? ["prefixserve", "openai-insecure-api-key." + apiKey()] : [];
+    const ws = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws", protocols);
     ws.onopen = () => { socket = ws; resolve(ws); };
     ws.onerror = () => reject(new Error("WebSocket connection failed"));
     ws.onclose = () => {
@@ -103,10 +113,10 @@ async function viaSSE(g, body) {
   g.stop = () => abort.abort();
   let usage = null;
   try {
-    const resp = await fetch("/v1/chat/completions", {
+    const resp = await fetch("/v1/chat/completions", authed({
       method: "POST", headers: { "Content-Type": "application/json" }, signal: abort.signal,
       body: JSON.stringify({ ...body, stream_options: { include_usage: true }, return_token_ids: true }),
-    });
+    }));
     if (!resp.ok) throw new Error((await resp.json()).error.message);
     const reader = resp.body.getReader();
     const decoder = new TextDecoder();
@@ -168,7 +178,23 @@ async function init() {
     if (health.status === "ok") break;
     await new Promise((r) => setTimeout(r, 1000));
   }
-  const models = await fetch("/v1/models").then((r) => r.json());
+  $("api-key").addEventListener("change", () => {
+    sessionStorage.setItem("prefixserve-api-key", $("api-key").value.trim());
+    if (socket) socket.close();
+    loadModel();
+  });
+  await loadModel();
+}
+
+async function loadModel() {
+  const resp = await fetch("/v1/models", authed());
+  if (resp.status === 401) {
+    $("model").textContent = "API key needed";
+    $("api-key").hidden = false;
+    $("api-key").focus();
+    return;
+  }
+  const models = await resp.json();
   model = models.data[0].id;
   $("model").textContent = model + " · " + models.data[0].max_model_len + " ctx";
   document.title = "prefixserve · " + model;
@@ -183,7 +209,7 @@ async function init() {
 // The prefix dropdown: registered prefixes loaded (pinned) on this replica, from GET /v1/prefixes.
 // Records of another model are listed by the API as not loaded; they cannot be used here.
 async function loadPrefixes() {
-  const listing = await fetch("/v1/prefixes").then((r) => (r.ok ? r.json() : null)).catch(() => null);
+  const listing = await fetch("/v1/prefixes", authed()).then((r) => (r.ok ? r.json() : null)).catch(() => null);
   const loaded = listing && Array.isArray(listing.data) ? listing.data.filter((p) => p.loaded !== false) : [];
   const select = $("prefix");
   const key = loaded.map((p) => p.name + ":" + p.num_tokens).join(",");

@@ -159,3 +159,42 @@ def test_results_go_to_a_scratch_folder_unless_out(capsys: pytest.CaptureFixture
     where = Path(err.split("results go to ", 1)[1].split(" ", 1)[0])
     assert (where / "memory.md").exists() and where.resolve() != RESULTS.resolve()
     assert {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir()} == committed
+
+
+# -- routing --------------------------------------------------------------------------------------
+def test_routing_workload_and_summary() -> None:
+    from argparse import Namespace
+
+    from benchmarks import routing
+
+    class Words:                                   # a tokenizer of whitespace words: lengths by hand
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [0] * len(text.split())
+
+    args = Namespace(seed=3, tenants=4, system_len=40, question_len=8, num_requests=50, rate=5.0)
+    systems, reqs = routing.make_workload(args, Words())
+    again = routing.make_workload(args, Words())
+    assert (systems, reqs) == again                                   # same requests for every policy
+    assert len(systems) == 4 and all(len(s.split()) >= 40 for s in systems)
+    assert len(reqs) == 50 and {r.tenant for r in reqs} == {0, 1, 2, 3}
+    gaps = [b.at - a.at for a, b in zip(reqs, reqs[1:])]
+    assert reqs[0].at == 0 and all(g > 0 for g in gaps) and 0.1 < sum(gaps) / len(gaps) < 0.4   # ~1/rate
+    outs = [routing.Outcome(True, "", 0.1 * i, 100, 60, 8) for i in range(1, 5)] + [routing.Outcome(error="x")]
+    s = routing.summarize(outs, 2.0, [3, 1, 0])
+    assert s["hit_rate"] == 0.6 and s["errors"] == 1 and s["requests_per_s"] == 2.0
+    assert s["output_tokens_per_s"] == 16.0 and s["served_per_replica"] == [3, 1, 0]
+    assert abs(s["ttft_ms_p50"] - 250.0) < 1e-9 and s["first_errors"] == ["x"]
+
+
+@pytest.mark.slow
+def test_routing_through_the_real_router(tiny_llama_dir: Path, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["routing", "--model", str(tiny_llama_dir), "--num-requests", "12", "--tenants", "3",
+                   "--system-len", "64", "--rate", "20", "--output-len", "4", "--num-kv-blocks", "64",
+                   "--policies", "round_robin,registered", "--out", str(tmp_path)])
+    assert rc == 0
+    res = result_line(capsys.readouterr().out)
+    assert res["errors"] == 0 and res["hit_rate_registered"] > res["hit_rate_round_robin"]
+    saved = json.loads((tmp_path / "routing.json").read_text())
+    assert [sum(saved["runs"][p]["served_per_replica"]) for p in ("round_robin", "registered")] == [12, 12]
+    assert saved["runs"]["round_robin"]["served_per_replica"] == [4, 4, 4]

@@ -109,3 +109,58 @@ def test_pinned_blocks_never_enter_free_queue() -> None:
     pool.unpin(blocks)
     assert pool.free_queue.ids() == [2, 3, 1, 0]
     assert pool.stats().used == 0 and pool.stats().cached == 2
+
+
+class _Log:
+    """A BlockEvents sink that keeps what it was told, in order (the pool's contract, nothing else)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple] = []
+
+    def stored(self, block_hash, parent, token_ids) -> None:  # type: ignore[no-untyped-def]
+        self.records.append(("stored", block_hash, parent, token_ids))
+
+    def removed(self, block_hash) -> None:  # type: ignore[no-untyped-def]
+        self.records.append(("removed", block_hash))
+
+    def cleared(self) -> None:
+        self.records.append(("cleared",))
+
+
+def test_events_report_every_hash_given_and_dropped_in_order() -> None:
+    log = _Log()
+    pool = BlockPool(3, events=log)
+    h1 = hash_block(root_hash("m"), [1, 2])
+    h2 = hash_block(h1, [3, 4])
+    a, b = pool.allocate(2)
+    pool.cache_full_block(a, h1, [1, 2])
+    pool.cache_full_block(b, h2, [3, 4], parent=h1)
+    (c,) = pool.allocate(1)
+    pool.cache_full_block(c, h1, [1, 2])            # same content elsewhere: c stays private, no event
+    assert log.records == [("stored", h1, None, (1, 2)), ("stored", h2, h1, (3, 4))]
+    pool.free([a, b])                                # tail first: queue [b, a]
+    pool.free([c])                                   # unhashed: head of the queue, [c, b, a]
+    log.records.clear()
+    assert [blk.block_id for blk in pool.allocate(2)] == [2, 1]   # c (no hash), then b: h2 dropped
+    assert log.records == [("removed", h2)]
+
+
+def test_reset_drops_evictable_hashes_keeps_pinned_and_reports_it() -> None:
+    log = _Log()
+    pool = BlockPool(4, events=log)
+    hs = [hash_block(root_hash("m"), [i]) for i in range(3)]
+    blocks = pool.allocate(3)
+    for blk, h, i in zip(blocks, hs, range(3)):
+        pool.cache_full_block(blk, h, [i])
+    pool.pin([blocks[0]])
+    pool.free(blocks)
+    log.records.clear()
+    assert pool.reset_prefix_cache() == 2
+    assert log.records == [("removed", hs[1]), ("removed", hs[2])]
+    assert pool.lookup(hs[0], [0]) is blocks[0] and pool.lookup(hs[1], [1]) is None
+    assert pool.stats().cached == 0 and pool.free_queue.ids()[:2] == [2, 1]
+    pool.unpin([blocks[0]])
+    log.records.clear()
+    assert pool.reset_prefix_cache() == 1
+    assert log.records == [("cleared",)]             # nothing is cached any more: one clear
+    assert pool.reset_prefix_cache() == 0 and log.records == [("cleared",)]

@@ -185,22 +185,22 @@ def test_stop_string_across_tokens_is_cut_and_excluded(tokenizer, text, stop):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data(), chunk=st.integers(1, 3))
-def test_stop_strings_property(tokenizer, data, chunk):
+@given(data=st.data(), chunk=st.integers(1, 3), include=st.booleans())
+def test_stop_strings_property(tokenizer, data, chunk, include):
     text = data.draw(st.text(alphabet=ALPHABET, min_size=1, max_size=40))
     start = data.draw(st.integers(0, len(text) - 1))
     stop = text[start:start + data.draw(st.integers(1, 6))]
     other = data.draw(st.text(alphabet=ALPHABET, min_size=1, max_size=4))
     ids = encode(tokenizer, text)
-    detok = IncrementalDetokenizer(tokenizer, [], stop=[other, stop])
+    detok = IncrementalDetokenizer(tokenizer, [], stop=[other, stop], include_stop=include)
     deltas, matched = feed(detok, ids, chunk)
     emitted = "".join(deltas) + detok.flush()
     # The stop string whose first occurrence ends first wins; on a tie, the one that starts first.
-    _, start, expected_stop = min((text.find(s) + len(s), text.find(s), s) for s in [stop, other] if s in text)
-    expected = text[:start]
+    end, start, expected_stop = min((text.find(s) + len(s), text.find(s), s) for s in [stop, other] if s in text)
+    expected = text[:end] if include else text[:start]      # include_stop_str_in_output keeps it, cuts the rest
     assert matched == expected_stop
     assert emitted == expected == detok.text
-    assert expected_stop not in emitted
+    assert emitted.endswith(expected_stop) if include else expected_stop not in emitted
 
 
 def _ids_of(tokenizer, chars: str) -> list[int]:

@@ -141,8 +141,8 @@ class ServerThread(_Server):
 
 
 class ServerProcess(_Server):
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, port: int | None = None) -> None:
+        self.port = port if port is not None else free_port()
         self.args = ["--host", "127.0.0.1", "--port", str(self.port), *args]
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -160,8 +160,10 @@ class ServerProcess(_Server):
             return f"server exited:\n{self.log()}"
         return None
 
-    def log(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")[-4000:]
+    def log(self, tail: int | None = 4000) -> str:
+        """The server's output so far: its last `tail` characters, or all of it with None."""
+        text = Path(self._log.name).read_text(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -3,6 +3,7 @@ the same models, the token endpoints in vLLM's shapes, /version and /v1/models/{
 give a 500, and request preparation off the event loop."""
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -122,6 +123,7 @@ def test_tokenization_runs_off_the_event_loop(server: ServerThread, client: Open
         _post(server, "/v1/prefixes", {"name": "offloop", "prompt": "hello " * 40})
     finally:
         del tokenizer.encode
+        requests.delete(f"{server.url}/v1/prefixes/offloop", timeout=30)
     assert seen and all(name.startswith("tokenize") for name in seen), seen
 
 
@@ -164,3 +166,82 @@ def test_chat_template_override(tiny_llama_dir: Any, tmp_path: Any) -> None:
     from service.config import ServiceConfig
     with pytest.raises(ValueError, match="chat_template"):
         ServiceConfig.from_flat(model=str(tiny_llama_dir), chat_template="/nope.jinja")
+
+
+# What vllm-router 0.1.17 writes into every request it forwards (captured on loopback from its
+# re-serialized bodies): SGLang's defaults, which must be honoured as such.
+ROUTER_CHAT_EXTRAS = {"logprobs": False, "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+                      "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+                      "return_hidden_states": False, "include_reasoning": True}
+ROUTER_COMPLETION_EXTRAS = {"echo": False, "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                            "return_hidden_states": False}
+
+
+def test_the_fields_a_router_adds_change_nothing(server: ServerThread) -> None:
+    chat = {"messages": MSG, "max_tokens": 6, "temperature": 0, "stream": False}
+    plain = _post(server, "/v1/chat/completions", chat).json()
+    routed = _post(server, "/v1/chat/completions", {**chat, **ROUTER_CHAT_EXTRAS}).json()
+    assert routed["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    body = {"prompt": "The cache", "max_tokens": 6, "temperature": 0}
+    plain = _post(server, "/v1/completions", body).json()
+    routed = _post(server, "/v1/completions", {**body, **ROUTER_COMPLETION_EXTRAS}).json()
+    assert routed["choices"][0]["text"] == plain["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("field,value", [("return_hidden_states", True), ("include_reasoning", False)])
+def test_router_fields_we_cannot_honour_are_refused(server: ServerThread, field: str, value: Any) -> None:
+    r = _post(server, "/v1/chat/completions", {"messages": MSG, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_stop_string_kept_with_include_stop_str_in_output_and_no_stop_trim(server: ServerThread) -> None:
+    body = {"prompt": "The cache", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    full = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    stop = full[3:5]                       # two characters the greedy output is known to contain
+    at = full.index(stop)
+    cut = _post(server, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]
+    assert cut["text"] == full[:at] and cut["finish_reason"] == "stop"
+    for field in ("include_stop_str_in_output", "no_stop_trim"):
+        for stream in (False, True):
+            r = _post(server, "/v1/completions", {**body, "stop": [stop], field: True, "stream": stream})
+            if stream:
+                events = [json.loads(line[6:]) for line in r.text.splitlines()
+                          if line.startswith("data: {")]
+                text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            else:
+                text = r.json()["choices"][0]["text"]
+            assert text == full[:at + len(stop)], (field, stream)
+
+
+def test_skip_special_tokens_false_shows_them(server: ServerThread) -> None:
+    tok = server.state.engine.tokenizer  # type: ignore[union-attr]
+    eos = tok.eos_token_id
+    body = {"prompt": "The cache", "max_tokens": 3, "temperature": 0, "logit_bias": {str(eos): 100},
+            "ignore_eos": True}
+    hidden = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    shown = _post(server, "/v1/completions", {**body, "skip_special_tokens": False}).json()["choices"][0]["text"]
+    assert hidden == "" and shown == tok.eos_token * 3
+
+
+def test_continue_final_message_and_add_generation_prompt(server: ServerThread) -> None:
+    tok = server.state.engine.tokenizer  # type: ignore[union-attr]
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well, the"}]
+
+    def prompt_ids(**extra: Any) -> list[int]:
+        r = _post(server, "/v1/chat/completions", {"messages": convo, "max_tokens": 1, "return_token_ids": True,
+                                                    **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_token_ids"]
+
+    cont = prompt_ids(continue_final_message=True, add_generation_prompt=False)
+    assert cont == tok.apply_chat_template(convo, continue_final_message=True, tokenize=True, return_dict=False)
+    assert tok.decode(cont).endswith("Well, the")
+    closed = prompt_ids(add_generation_prompt=False)
+    assert closed == tok.apply_chat_template(convo, add_generation_prompt=False, tokenize=True, return_dict=False)
+    assert prompt_ids(continue_final_message=True) == cont       # add_generation_prompt unset: not asked for
+    r = _post(server, "/v1/chat/completions", {"messages": convo, "continue_final_message": True,
+                                               "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    r = _post(server, "/v1/chat/completions", {"messages": MSG, "continue_final_message": True,
+                                               "add_generation_prompt": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

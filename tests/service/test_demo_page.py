@@ -61,15 +61,15 @@ def test_demo_page_streams(browser, slow_server: ServerThread, transport: str) -
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(server.url + "/")
-    page.wait_for_function("document.getElementById('health').textContent === 'ok'", timeout=20_000)
-    page.wait_for_function("document.getElementById('model').textContent.includes('ctx')", timeout=20_000)
+    page.wait_for_function("() => document.getElementById('health').textContent === 'ok'", timeout=20_000)
+    page.wait_for_function("() => document.getElementById('model').textContent.includes('ctx')", timeout=20_000)
     page.evaluate(OBSERVE)
     page.select_option("#transport", transport)
     page.fill("#max-tokens", "60")
     page.fill("#temperature", "0")
     page.fill("#prompt", "Tell me about caches")
     page.click("#send")
-    page.wait_for_function("!document.getElementById('send').disabled && "
+    page.wait_for_function("() => !document.getElementById('send').disabled && "
                            "document.getElementById('cached').textContent.includes('/')", timeout=30_000)
     answer = page.inner_text(".msg.assistant .body")
     lengths = page.evaluate("window.__lengths")
@@ -87,7 +87,7 @@ def test_demo_page_streams(browser, slow_server: ServerThread, transport: str) -
         page.fill("#system", "You are a helpful assistant.")
         page.fill("#prompt", "And a second question?")
         page.click("#send")
-        page.wait_for_function("document.querySelectorAll('.msg.assistant').length === 2 && "
+        page.wait_for_function("() => document.querySelectorAll('.msg.assistant').length === 2 && "
                                "!document.getElementById('send').disabled", timeout=30_000)
         page.screenshot(path="/tmp/demo.png", full_page=True)
     page.close()
@@ -107,8 +107,8 @@ def test_demo_page_uses_a_registered_prefix(browser, slow_server: ServerThread) 
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(server.url + "/")
     page.reload()
-    page.wait_for_function("document.getElementById('health').textContent === 'ok'", timeout=20_000)
-    page.wait_for_function("!document.getElementById('prefix-label').hidden", timeout=20_000)
+    page.wait_for_function("() => document.getElementById('health').textContent === 'ok'", timeout=20_000)
+    page.wait_for_function("() => !document.getElementById('prefix-label').hidden", timeout=20_000)
     values = page.eval_on_selector_all("#prefix option", "opts => opts.map(o => o.value)")
     assert values == ["", "demo-system"]
     page.select_option("#prefix", "demo-system")
@@ -117,7 +117,7 @@ def test_demo_page_uses_a_registered_prefix(browser, slow_server: ServerThread) 
     page.fill("#temperature", "0")
     page.fill("#prompt", "What does the cache keep?")
     page.click("#send")
-    page.wait_for_function("!document.getElementById('send').disabled && "
+    page.wait_for_function("() => !document.getElementById('send').disabled && "
                            "document.getElementById('cached').textContent.includes('/')", timeout=30_000)
     cached, prompt = page.inner_text("#cached").split(" / ")
     assert int(cached) >= pinned_tokens and int(prompt) > int(cached)      # the prefix's blocks, from the cache
@@ -133,8 +133,8 @@ def _open(browser, url: str, width: int = 1000, height: int = 820):  # type: ign
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.goto(url + "/")
-    page.wait_for_function("document.getElementById('health').textContent === 'ok'", timeout=60_000)
-    page.wait_for_function("document.getElementById('model').textContent.includes('ctx')", timeout=20_000)
+    page.wait_for_function("() => document.getElementById('health').textContent === 'ok'", timeout=60_000)
+    page.wait_for_function("() => document.getElementById('model').textContent.includes('ctx')", timeout=20_000)
     return page, errors
 
 
@@ -143,7 +143,7 @@ def _ask(page, question: str, transport: str = "ws") -> str:  # type: ignore[no-
     page.fill("#temperature", "0")
     page.fill("#prompt", question)
     page.click("#send")
-    page.wait_for_function("!document.getElementById('send').disabled && "
+    page.wait_for_function("() => !document.getElementById('send').disabled && "
                            "document.getElementById('cached').textContent.includes('/')", timeout=120_000)
     return str(page.inner_text(".msg.assistant:last-of-type .body"))
 
@@ -157,7 +157,7 @@ def test_the_real_model_answers_on_the_page(browser, real_server: ServerThread, 
     assert "Paris" in answer
     page.fill("#prompt", "And of Italy?")                   # a second turn reads the first as history
     page.click("#send")
-    page.wait_for_function("document.querySelectorAll('.msg.assistant').length === 2 && "
+    page.wait_for_function("() => document.querySelectorAll('.msg.assistant').length === 2 && "
                            "!document.getElementById('send').disabled", timeout=120_000)
     assert "Rome" in page.inner_text(".msg.assistant:last-of-type .body")
     page.screenshot(path=str(tmp_path / f"demo-{transport}.png"), full_page=True)
@@ -187,7 +187,7 @@ def test_stop_before_the_first_token_leaves_no_trace(browser, slow_server: Serve
         page.fill("#prompt", "hello there")
         page.click("#send")
         page.click("#stop")                                  # well before the first token (a step takes 1 s)
-        page.wait_for_function("!document.getElementById('send').disabled", timeout=30_000)
+        page.wait_for_function("() => !document.getElementById('send').disabled", timeout=30_000)
     finally:
         slow_server.step_delay = 0.02  # type: ignore[attr-defined]
     assert page.locator(".msg.assistant").count() == 0       # no empty bubble

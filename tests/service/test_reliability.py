@@ -56,7 +56,7 @@ def settled(srv: ServerProcess, timeout: float = 30.0) -> None:
     """The invariants, once the engine has drained what the attack started."""
     deadline = time.monotonic() + timeout
     while True:
-        running, waiting = srv.metric("prefixserve_requests_running"), srv.metric("prefixserve_requests_waiting")
+        running, waiting = srv.metric("vllm:num_requests_running"), srv.metric("vllm:num_requests_waiting")
         used, pinned = srv.metric("prefixserve_kv_blocks_used"), srv.metric("prefixserve_kv_blocks_pinned")
         status, listing = http("GET", f"{srv.url}/v1/prefixes", timeout=10)
         registry = sum(p["num_pinned_blocks"] for p in listing["data"] if p["loaded"]) if status == 200 else -1
@@ -215,4 +215,23 @@ def test_pins_squeeze_running_requests(srv: ServerProcess) -> None:
             assert all(code in (200, 429) for code in await asyncio.gather(*tasks))
             for i in range(3):
                 await s.delete(f"{srv.url}/v1/prefixes/sq{i}")
+    attack(srv, lambda: asyncio.run(run()))
+
+
+def test_degenerate_sampling_and_cross_site_posts(srv: ServerProcess) -> None:
+    async def run() -> None:
+        async with _session() as s:
+            async def one(body: dict) -> tuple[int, str]:
+                async with s.post(f"{srv.url}/v1/completions", json=body) as r:
+                    return r.status, await r.text()
+            greedy = {"prompt": "a neighbour", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            results = await asyncio.gather(one(greedy), *(one({"prompt": "hostile", "max_tokens": 12,
+                                                               "temperature": t, "ignore_eos": True})
+                                                          for t in (1e-300, 1e-40, 1e-7)))
+            assert all(status == 200 for status, _ in results), results
+            for kind in ("text/plain", "application/x-www-form-urlencoded"):
+                async with s.post(f"{srv.url}/v1/prefixes", data='{"name": "xsite", "prompt": "' + SYSTEM + '"}',
+                                  headers={"Content-Type": kind}) as r:
+                    assert r.status == 415
+        assert http("GET", f"{srv.url}/v1/prefixes/xsite")[0] == 404
     attack(srv, lambda: asyncio.run(run()))

@@ -14,6 +14,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from service import worker_api
 from tests.helpers.server import ServerThread, tiny_config
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
@@ -46,13 +47,14 @@ ALLOWED_5XX = {("/v1/prefixes", "507")}    # metrics count by route, not method:
 def test_no_server_errors(fuzz_target: ServerThread, tmp_path: Path) -> None:
     before = _answers(fuzz_target.url)     # /health said 503 while the model loaded
     spec = requests.get(f"{fuzz_target.url}/openapi.json", timeout=10).json()
-    assert spec["openapi"].startswith("3.") and len(spec["paths"]) == 14
+    worker_paths = len(worker_api.GETS) + len(worker_api.POSTS)
+    assert spec["openapi"].startswith("3.") and len(spec["paths"]) == 14 + worker_paths
     (tmp_path / "schemathesis.toml").write_text(CONFIG)
     proc = subprocess.run(
         [str(SCHEMATHESIS), "run", f"{fuzz_target.url}/openapi.json", "--checks", "not_a_server_error",
          "--max-examples", "25", "--seed", "1", "--phases", "coverage,fuzzing", "--workers", "1",
          "--request-timeout", "30", "--no-color"],
-        capture_output=True, text=True, timeout=150, cwd=tmp_path)   # its cache dir goes there
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)   # its cache dir goes there
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     answers = {k: v - before.get(k, 0) for k, v in _answers(fuzz_target.url).items()}
