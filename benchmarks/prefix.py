@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.prefix
     on = engine(num_kv_blocks=1024)
     loaded = on.loaded
     off = engine(loaded, num_kv_blocks=1024, enable_prefix_caching=False)
-    vocab, bs = loaded.args.vocab_size, on.config.block_size
+    vocab, bs = loaded.args.vocab_size, on.core.block_size
     plen_main = args.prefix_len
     prefix = random_prompts([plen_main], vocab, seed + 1)[0]
     for e in (on, off):

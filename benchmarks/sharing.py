@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.sharin
                      f"{100 * lo:.1f}-{100 * hi:.1f}% | {r['tok_s_on']:.1f} | {r['tok_s_off']:.1f} | "
                      f"{r['throughput_ratio']:.2f}x |")
     table = "\n".join(lines) + (
-        f"\n\n{num} requests per run, block size {engine.config.block_size}, {args.dtype}. Blocks saved = "
+        f"\n\n{num} requests per run, block size {engine.core.block_size}, {args.dtype}. Blocks saved = "
         "1 - block-steps with sharing / block-steps with sharing forced off (forks copy every block), "
         "kv_blocks_used sampled after every engine step; 'at peak' compares the largest per-step values; "
         "'in-run check' compares, within the sharing run, distinct blocks in use with the sum of the running "

@@ -143,6 +143,7 @@ class AsyncEngine:
         self.fingerprint = self.engine.fingerprint
         self.tokenizer_version = self.engine.loaded.tokenizer_version
         self.max_model_len = self.engine.max_model_len
+        self.block_size = self.engine.core.block_size       # tokens per KV block (vattention may round it up)
         self.vocab_size = self.engine.core.vocab_size
         self.model_name = self.engine.loaded.name
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()

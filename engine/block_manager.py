@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.block_pool import Block, BlockHash, BlockPool, hash_block, root_hash
 
@@ -23,6 +24,18 @@ class SeqBlocks:
     num_cached_blocks: int = 0                                # leading blocks already registered in the pool
 
 
+class Placement(Protocol):
+    """Where a KV backend wants blocks to go (engine/slots.SlotTable for vAttention; none for paged).
+    Told when a sequence gets its first blocks and when it gives them back; asked, for each block
+    the manager allocates, which block it would rather have at that index."""
+
+    def attach(self, seq_id: int, block_ids: list[int]) -> int: ...
+
+    def detach(self, seq_id: int) -> None: ...
+
+    def preferred(self, seq_id: int, index: int) -> int | None: ...
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     """Blocks of a prompt found in the cache, as handed from `lookup` to `allocate`."""
@@ -33,8 +46,9 @@ class PrefixHit:
 
 class BlockManager:
     def __init__(self, pool: BlockPool, block_size: int, fingerprint: str,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, placement: Placement | None = None) -> None:
         self.pool = pool
+        self.placement = placement
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.enable_prefix_caching = enable_prefix_caching
@@ -95,6 +109,8 @@ class BlockManager:
         state = SeqBlocks(blocks=list(hit.blocks), num_cached_blocks=len(hit.blocks))
         state.hashes = [blk.block_hash for blk in hit.blocks]  # type: ignore[misc]
         self._seqs[seq_id] = state
+        if self.placement is not None:
+            self.placement.attach(seq_id, [blk.block_id for blk in hit.blocks])
         return self.grow(seq_id, num_tokens)
 
     def grow(self, seq_id: int, num_tokens: int, write_from: int | None = None) -> bool:
@@ -107,12 +123,17 @@ class BlockManager:
             return False
         if cow is not None:
             old = state.blocks[cow]
-            (new,) = self.pool.allocate(1)
+            (new,) = self.pool.allocate(1, self._preferred(seq_id, cow, 1))
             self.pending_copies.append((old.block_id, new.block_id))
             state.blocks[cow] = new
             self.pool.free([old])
-        state.blocks.extend(self.pool.allocate(need))
+        state.blocks.extend(self.pool.allocate(need, self._preferred(seq_id, len(state.blocks), need)))
         return True
+
+    def _preferred(self, seq_id: int, start: int, count: int) -> list[int | None]:
+        if self.placement is None or count == 0:
+            return []
+        return [self.placement.preferred(seq_id, i) for i in range(start, start + count)]
 
     def growable_tokens(self, seq_id: int, write_from: int | None = None) -> int:
         """The most tokens in all that `grow` could make room for now (its blocks plus the free ones,
@@ -149,11 +170,15 @@ class BlockManager:
         parent = self._seqs[parent_id]
         self.pool.touch(parent.blocks)
         self._seqs[child_id] = SeqBlocks(list(parent.blocks), list(parent.hashes), parent.num_cached_blocks)
+        if self.placement is not None:
+            self.placement.attach(child_id, [blk.block_id for blk in parent.blocks])
 
     def free(self, seq_id: int) -> None:
         state = self._seqs.pop(seq_id, None)
         if state is not None:
             self.pool.free(state.blocks)
+            if self.placement is not None:
+                self.placement.detach(seq_id)
 
     def block_table(self, seq_id: int) -> list[int]:
         return [blk.block_id for blk in self._seqs[seq_id].blocks]
@@ -175,4 +200,4 @@ class BlockManager:
         return [self.pool.lookup(h, token_ids[i * b:(i + 1) * b]) for i, h in enumerate(hashes)]
 
 
-__all__ = ["BlockManager", "PrefixHit"]
+__all__ = ["BlockManager", "Placement", "PrefixHit"]

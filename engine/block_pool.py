@@ -173,13 +173,24 @@ class BlockPool:
         return self.free_queue.size
 
     # -- allocation ---------------------------------------------------------------------------
-    def allocate(self, n: int) -> list[Block]:
-        """Take `n` blocks from the head of the free queue (LRU first); their old hashes are dropped."""
+    def allocate(self, n: int, prefer: Sequence[int | None] = ()) -> list[Block]:
+        """Take `n` blocks from the head of the free queue (LRU first); their old hashes are dropped.
+
+        `prefer[i]`: a block id to hand out as the i-th block instead, taken only if it is free and
+        holds no hash (such blocks sit at the head of the queue anyway, so the choice among them costs
+        the cache nothing). The vAttention backend prefers the block a slot already has mapped there."""
         if n > self.free_queue.size:
             raise MemoryError(f"need {n} blocks, {self.free_queue.size} free")
+        chosen: list[Block | None] = [None] * n
+        for i, want in enumerate(prefer[:n]):                 # first the preferred ones, so the queue's
+            block = self.blocks[want] if want is not None else None     # head does not take them
+            if block is not None and block.evictable and block.block_hash is None and block.prev is not None:
+                self.free_queue.remove(block)
+                chosen[i] = block
         out = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
+        for block in chosen:
+            if block is None:
+                block = self.free_queue.popleft()
             if block.block_hash is not None:
                 dropped = self._drop_hash(block)
                 if dropped is not None and self.events is not None:

@@ -14,6 +14,7 @@ from engine.kv_events import KVEventsConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
+KV_BACKENDS = ("paged", "vattention")
 
 
 def knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -36,6 +37,11 @@ class EngineConfig:
     max_num_waiting: int = knob(1024, "waiting queue cap; beyond it requests are refused (HTTP 429)")
     attention_backend: str | None = knob(None, "attention kernels (default: triton on CUDA, torch elsewhere)",
                                          ATTENTION_BACKENDS)
+    kv_backend: str = knob("paged", "KV cache backend: paged (block tables, PagedAttention) or vattention (each "
+                                    "request's KV virtually contiguous, pages mapped on demand; CPU only for now)",
+                           KV_BACKENDS)
+    map_ahead_tokens: int = knob(4, "vattention: a decoding request gets its next page this many tokens before it "
+                                    "needs it, mapped by a background thread during a forward pass (0: never ahead)")
     enable_prefix_caching: bool = knob(True, "share full KV blocks between requests with the same prefix")
     pinned_fraction: float = knob(0.5, "cap on pinned (registered-prefix) blocks, as a share of all blocks")
     torch_threads: int | None = knob(None, "torch intra-op threads (default: torch's)")
@@ -58,6 +64,8 @@ class EngineConfig:
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
             (0.0 <= self.pinned_fraction <= 1.0, "pinned_fraction must be within [0, 1]"),
             (self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1"),
+            (self.kv_backend in KV_BACKENDS, f"kv_backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}"),
+            (self.map_ahead_tokens >= 0, "map_ahead_tokens must be >= 0"),
             (self.chat_template is None or "{{" in self.chat_template or "{%" in self.chat_template
              or Path(self.chat_template).expanduser().is_file(),
              f"chat_template {self.chat_template!r} is neither a file nor a Jinja template"),

@@ -26,7 +26,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.errors import CapacityExceeded, EngineError, InvalidRequest, QueueFull
 from engine.forks import Forks
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, KVStore
 from engine.kv_event_publisher import ZmqEventPublisher
 from engine.kv_events import KVEventQueue, KVEventsConfig
 from engine.logits_processors import RowContext
@@ -40,7 +40,8 @@ from engine.sampler import Sampler, SamplerOutput, make_generator
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import EngineRequest, SamplingParams, Sequence, SequenceGroup
 from engine.structured import Grammars
-from kernels import get_backend
+from engine.vattention import VAttentionCache, VAttentionStats, page_block_size
+from kernels import Attention, get_backend, get_contiguous_backend
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,6 +59,7 @@ class EngineStats:
     preemptions_total: int
     prefix_cache_queried_tokens_total: int
     prefix_cache_hit_tokens_total: int
+    vattention: VAttentionStats | None = None     # kv_backend="vattention" only
 
 
 @dataclass
@@ -97,23 +99,40 @@ class EngineCore:
         self.vocab_size = args.vocab_size
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         dtype = _DTYPES[config.dtype]
+        vattention = config.kv_backend == "vattention"
+        # vAttention: a block is a page, whose bytes must be whole OS pages (engine/vattention.py)
+        self.block_size = page_block_size(args, dtype, config.block_size) if vattention else config.block_size
+        if self.block_size != config.block_size:
+            log.info("kv_backend=vattention: block size %d -> %d tokens (a page must be whole OS pages)",
+                     config.block_size, self.block_size)
         num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
-            args, config.block_size, dtype, config.kv_cache_memory_gb * 2**30)
+            args, self.block_size, dtype, config.kv_cache_memory_gb * 2**30)
         self.num_blocks_total = num_blocks              # immutable: make_request may read it off-thread
         events = KVEventsConfig.from_json(config.kv_events_config) if config.kv_events_config else None
         sink = KVEventQueue(events.max_queue_size) if events is not None and events.enabled else None
         self.pool = BlockPool(num_blocks, max_pinned_blocks=int(num_blocks * config.pinned_fraction), events=sink)
-        self.manager = BlockManager(self.pool, config.block_size, loaded.fingerprint, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.kv_cache = KVCache(args, num_blocks, config.block_size, dtype, config.device)
         assert config.attention_backend is not None
-        self.runner = ModelRunner(loaded.model, self.kv_cache, get_backend(config.attention_backend), config.device)
+        self.vattention: VAttentionCache | None = None
+        self.kv_cache: KVStore
+        if vattention:
+            self.vattention = VAttentionCache(args, num_blocks, self.block_size, dtype, config.device,
+                                              self.max_model_len, config.max_num_seqs)
+            self.kv_cache = self.vattention
+            attention: Attention = get_contiguous_backend(config.attention_backend)
+        else:
+            paged = get_backend(config.attention_backend)
+            self.kv_cache = KVCache(args, num_blocks, self.block_size, dtype, config.device, paged)
+            attention = paged
+        self.manager = BlockManager(self.pool, self.block_size, loaded.fingerprint, config.enable_prefix_caching,
+                                    self.vattention.slots if self.vattention is not None else None)
+        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, attention, config.device)
         self.sampler = Sampler()
         self.forks = Forks(self.manager, self.scheduler, self.new_seq, self.finish_seq)
         self.requests: dict[str, SequenceGroup] = {}
         self.kv_events: ZmqEventPublisher | None = None    # started last: nothing to undo if loading fails
         if sink is not None and events is not None:
-            self.kv_events = ZmqEventPublisher(events, sink, config.block_size).start()
+            self.kv_events = ZmqEventPublisher(events, sink, self.block_size).start()
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
         self._seq_ids = itertools.count()
@@ -157,7 +176,7 @@ class EngineCore:
 
     def _blocks_needed(self, num_prompt: int, max_tokens: int, params: SamplingParams) -> int:
         # prompt blocks are shared by every sample / beam; each has its own output blocks (+1 for CoW)
-        b = self.config.block_size
+        b = self.block_size
         extra = (params.best_of or 1) - 1
         return -(-(num_prompt + max_tokens) // b) + extra * (-(-max_tokens // b) + 1)
 
@@ -171,7 +190,7 @@ class EngineCore:
         need = self._blocks_needed(len(prompt), request.max_tokens, request.params)
         pinned_hits = 0                       # leading pinned blocks this prompt would reuse
         if hashes:
-            for block in self.manager.cached_blocks(prompt, hashes[:(len(prompt) - 1) // self.config.block_size]):
+            for block in self.manager.cached_blocks(prompt, hashes[:(len(prompt) - 1) // self.block_size]):
                 if block is None or block.pin_count == 0:
                     break
                 pinned_hits += 1
@@ -252,6 +271,8 @@ class EngineCore:
         for s in sched.scheduled:
             if s.seq.group is not None and s.seq.group.times.scheduled is None:
                 s.seq.group.times.scheduled = time.monotonic()
+        if self.vattention is not None and self.config.map_ahead_tokens:
+            self._grow_ahead(sched.scheduled)
         tables = [self.manager.block_table(s.seq.seq_id) for s in sched.scheduled]
         extra_rows, prompt_targets = self._prompt_logprob_rows(sched.scheduled)
         step_logits = self.runner.execute(sched.scheduled, tables, sched.copies, extra_rows)
@@ -402,17 +423,41 @@ class EngineCore:
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish_seq(seq, "length")
 
+    def _grow_ahead(self, scheduled: list[ScheduledSeq]) -> None:
+        """vAttention's overlap of mapping with compute: a sequence that samples this step (its next step is
+        a decode) and would fill its last page within map_ahead_tokens gets its next block now, so the
+        mapper thread maps it during this step's forward pass. Only blocks to spare beyond the
+        scheduler's watermark are used: growing ahead never preempts anything."""
+        spare = self.pool.num_free - self.scheduler.watermark
+        for s in scheduled:
+            seq = s.seq
+            if spare <= 0:
+                return
+            if not s.sample:
+                continue
+            last = seq.num_prompt_tokens + seq.max_tokens            # the most tokens it can ever hold
+            target = min(seq.num_computed + s.num_new + 1 + self.config.map_ahead_tokens, self.max_model_len, last)
+            need = -(-target // self.block_size) - self.manager.num_blocks(seq.seq_id)
+            if 0 < need <= spare and self.manager.grow(seq.seq_id, target):
+                spare -= need
+
     def reset_prefix_cache(self) -> int:
         """Forgets every evictable cached block (pinned prefixes and running requests keep theirs)."""
         return self.pool.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stops what the core started besides itself (the KV-events publisher)."""
+        """Stops what the core started besides itself (the KV-events publisher, the vAttention mapper)."""
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.vattention is not None:
+            self.vattention.close()
 
     def stats(self) -> EngineStats:
         p = self.pool.stats()
         s = self.scheduler
+        va = None
+        if self.vattention is not None:
+            live = sum(self.manager.num_blocks(sid) for sid in self.vattention.slots.slot_of)
+            va = self.vattention.stats(live)
         return EngineStats(p.total, p.used, p.pinned, p.cached, p.free, len(s.running), len(s.waiting),
-                           s.num_preemptions, s.prefix_queried_tokens, s.prefix_hit_tokens)
+                           s.num_preemptions, s.prefix_queried_tokens, s.prefix_hit_tokens, va)

@@ -1,8 +1,9 @@
 """Builds one flattened batch per step (no padding), runs the model, and returns the logits of the rows that sample.
 
 Per step the runner builds, with numpy rather than per-token Python loops:
-  input_ids [T], positions [T], slot_mapping [T], block_tables [S, max_blocks], seq_lens [S],
-  query_start_loc [S + 1], and logits_indices [N]: the last token of each sequence that samples.
+  input_ids [T], positions [T], slot_mapping [T], seq_lens [S], query_start_loc [S + 1], and
+  logits_indices [N]: the last token of each sequence that samples; the KV cache adds where the tokens
+  live (engine/kv_cache.Addressing): block_tables [S, max_blocks] (paged) or slot_ids [S] (vAttention).
 """
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVStore
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledSeq
-from kernels import AttentionBackend, AttentionMetadata
+from kernels import Attention, AttentionMetadata
 
 
 @dataclass
@@ -24,17 +25,15 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVStore, backend: Attention,
                  device: str | torch.device) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = torch.device(device)
-        self.block_size = kv_cache.block_size
 
     def prepare(self, batch: list[ScheduledSeq], block_tables: list[list[int]]) -> tuple[
             torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        b = self.block_size
         query_lens = [s.num_new for s in batch]
         starts = [s.seq.num_computed for s in batch]
         seq_lens = [st + q for st, q in zip(starts, query_lens)]
@@ -47,22 +46,21 @@ class ModelRunner:
         # position of every token: its sequence's start plus its offset within the chunk
         seq_of_token = np.repeat(np.arange(len(batch)), query_lens)
         positions = np.asarray(starts, dtype=np.int64)[seq_of_token] + (np.arange(total) - qsl[:-1][seq_of_token])
-        max_blocks = max(len(t) for t in block_tables)
-        tables = np.zeros((len(batch), max_blocks), dtype=np.int64)
-        for i, t in enumerate(block_tables):
-            tables[i, :len(t)] = t
-        slots = tables[seq_of_token, positions // b] * b + positions % b
+        where = self.kv_cache.addressing([s.seq.seq_id for s in batch], block_tables, seq_lens, seq_of_token,
+                                         positions, [s.seq.num_computed >= s.seq.num_prompt_tokens for s in batch])
         logits_indices = [int(qsl[i + 1]) - 1 for i, s in enumerate(batch) if s.sample]
         dev = self.device
+        tables = where.block_tables if where.block_tables is not None else np.zeros((len(batch), 0), np.int32)
         md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(where.rows).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
             seq_lens_list=seq_lens,
             query_lens_list=query_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            slot_ids=None if where.slot_ids is None else torch.tensor(where.slot_ids, dtype=torch.int32, device=dev),
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.from_numpy(positions).to(dev), md,
                 torch.tensor(logits_indices, dtype=torch.long, device=dev))
@@ -72,9 +70,10 @@ class ModelRunner:
                 copies: list[tuple[int, int]], extra_rows: list[int] | None = None) -> StepLogits:
         """Runs one step: float32 logits [N, V] for the sequences with `sample` set, in order, and for
         `extra_rows` (rows of the flattened batch: prompt positions whose log-probabilities were asked)."""
-        self.kv_cache.copy_blocks(copies, self.backend)
+        self.kv_cache.copy_blocks(copies)
         input_ids, positions, md, logits_indices = self.prepare(batch, block_tables)
-        hidden = self.model(input_ids, positions, self.kv_cache.key, self.kv_cache.value, md, self.backend)
+        key, value = self.kv_cache.layers()
+        hidden = self.model(input_ids, positions, key, value, md, self.backend)
         extra = None
         if extra_rows:
             extra = self.model.compute_logits(hidden[torch.tensor(extra_rows, dtype=torch.long, device=self.device)])

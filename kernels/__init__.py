@@ -1,4 +1,6 @@
-"""Attention kernels over the paged KV cache. No engine imports: the engine calls in, never the reverse."""
+"""Attention kernels over the paged KV cache and the contiguous (vAttention) one.
+
+No engine imports: the engine calls in, never the reverse."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -8,7 +10,11 @@ import torch
 from kernels.metadata import AttentionMetadata
 
 
-class AttentionBackend(Protocol):
+class Attention(Protocol):
+    """Writes a step's new K/V into the cache and attends over it. Paged caches are [num_blocks,
+    block_size, Hkv, D] read through md.block_tables; contiguous (vAttention) caches are [num_slots,
+    slot_len, Hkv, D] read through md.slot_ids."""
+
     name: str
 
     def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
@@ -16,6 +22,10 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+class AttentionBackend(Attention, Protocol):
+    """Attention over a paged cache, and the paged cache's block copy (copy-on-write)."""
 
     def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                     src: torch.Tensor, dst: torch.Tensor) -> None: ...
@@ -31,4 +41,14 @@ def get_backend(name: str) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
+def get_contiguous_backend(name: str) -> Attention:
+    if name == "torch":
+        from kernels.contiguous_torch import ContiguousTorchBackend
+        return ContiguousTorchBackend()
+    if name == "triton":
+        from kernels.triton_backend import ContiguousTritonBackend
+        return ContiguousTritonBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "Attention", "get_backend", "get_contiguous_backend"]

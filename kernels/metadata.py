@@ -18,14 +18,17 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor     # [num_tokens] int64: block_id * block_size + offset for each new token
+    slot_mapping: torch.Tensor     # [num_tokens] int64: where each new token's K/V row goes: block_id *
+                                   # block_size + offset (paged); slot * slot_len + position (contiguous)
     block_tables: torch.Tensor     # [num_seqs, max_blocks] int32, rows padded with 0 past the sequence's blocks
+                                   # (paged; [num_seqs, 0] for contiguous caches)
     seq_lens: torch.Tensor         # [num_seqs] int32: context length including this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: prefix sums of query lengths
     seq_lens_list: list[int]       # host copies, so backends need no device sync
     query_lens_list: list[int]
     max_query_len: int
     max_seq_len: int
+    slot_ids: torch.Tensor | None = None   # [num_seqs] int32: each sequence's slot (contiguous caches only)
     scratch: dict[str, Any] = field(default_factory=dict, repr=False)  # per-step values a backend derives once
 
     @property

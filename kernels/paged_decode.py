@@ -13,6 +13,9 @@ and `paged_decode_reduce_kernel` rescales and merges them. An empty split writes
 acc=0) and the reduction gives it weight 0 explicitly, so it never turns into exp(-inf - -inf) = NaN.
 With num_splits == 1 the main kernel normalizes and writes the output itself (no second launch).
 
+The same kernel reads a contiguous (vAttention) cache when CONTIGUOUS: sequence i's context is rows
+0 .. seq_len - 1 of slot SLOT_IDS[i] (`contiguous_decode`), with no block table to load.
+
 Softmax runs in base 2 (scale folded with log2(e)), accumulation is fp32 whatever the cache dtype.
 fp32 caches use "ieee" dots (no silent tf32); fp16 / bf16 use the target's default (tensor cores).
 """
@@ -32,11 +35,19 @@ MAX_SPLITS = 64
 
 @triton.jit
 def load_kv_tile(bt_row, kc_head, vc_head, pos, n_mask, offs_d, d_mask,
-                 stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok, BLOCK_SIZE: tl.constexpr):
+                 stride_kc_block, stride_kc_tok, stride_vc_block, stride_vc_tok, BLOCK_SIZE: tl.constexpr,
+                 CONTIGUOUS: tl.constexpr):
     """K^T [HEAD_DIM_PAD, BLOCK_N] and V [BLOCK_N, HEAD_DIM_PAD] of the positions `pos` of one sequence and
-    KV head, gathered token by token through its block table row (masked positions read as 0)."""
-    block = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    in_block = (pos % BLOCK_SIZE).to(tl.int64)
+    KV head (masked positions read as 0). Paged: gathered token by token through its block table row.
+    CONTIGUOUS (vAttention): `bt_row` points at the sequence's slot id, whose rows are contiguous
+    positions (slot * stride_block + pos * stride_tok); masked lanes address row 0 of the slot, never
+    past the sequence (nothing is mapped there)."""
+    if CONTIGUOUS:
+        block = tl.load(bt_row + pos * 0).to(tl.int64)                   # the slot, in every lane
+        in_block = tl.where(n_mask, pos, 0).to(tl.int64)
+    else:
+        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_block = (pos % BLOCK_SIZE).to(tl.int64)
     k = tl.load(kc_head + block[None, :] * stride_kc_block + in_block[None, :] * stride_kc_tok
                 + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :], other=0.0)
     v = tl.load(vc_head + block[:, None] * stride_vc_block + in_block[:, None] * stride_vc_tok
@@ -48,7 +59,7 @@ def load_kv_tile(bt_row, kc_head, vc_head, pos, n_mask, offs_d, d_mask,
 def paged_decode_kernel(
     Q,                         # [num_seqs, num_heads, head_dim]
     KEY_CACHE, VALUE_CACHE,    # [num_blocks, block_size, num_kv_heads, head_dim]
-    BLOCK_TABLES,              # [num_seqs, max_blocks] int32
+    BLOCK_TABLES,              # [num_seqs, max_blocks] int32 (CONTIGUOUS: SLOT_IDS [num_seqs] int32)
     SEQ_LENS,                  # [num_seqs] int32
     OUT,                       # [num_seqs, num_heads, head_dim]            (NUM_SPLITS == 1)
     PART_ACC,                  # [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32 (NUM_SPLITS > 1)
@@ -64,6 +75,7 @@ def paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -97,7 +109,7 @@ def paged_decode_kernel(
         pos = tile_start + offs_n                                            # [BLOCK_N]
         n_mask = pos < end
         k, v = load_kv_tile(bt_row, kc_head, vc_head, pos, n_mask, offs_d, d_mask, stride_kc_block,
-                            stride_kc_tok, stride_vc_block, stride_vc_tok, BLOCK_SIZE)
+                            stride_kc_tok, stride_vc_block, stride_vc_tok, BLOCK_SIZE, CONTIGUOUS)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale      # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # The tile holds >= 1 valid token (tile_start < end), so m_new is finite.
@@ -205,13 +217,47 @@ def check_paged_inputs(q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     assert 1 <= block_size <= 128 and head_dim <= 256
     return block_size, num_kv_heads, head_dim
 
+def check_contiguous_inputs(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            slot_ids: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int]:
+    """Launcher asserts shared by the contiguous (vAttention) kernels; returns (num_kv_heads, head_dim)."""
+    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape, \
+        "caches must be [num_slots, slot_len, num_kv_heads, head_dim]"
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    assert q.shape[2] == head_dim and q.shape[1] % num_kv_heads == 0
+    assert q.dtype == key_cache.dtype == value_cache.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    assert q.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, \
+        "head_dim must be the contiguous dimension"
+    assert slot_ids.dtype == torch.int32 and slot_ids.dim() == 1 and slot_ids.is_contiguous()
+    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.shape == slot_ids.shape
+    assert head_dim <= 256
+    return num_kv_heads, head_dim
+
+
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, max_seq_len: int, scale: float, num_splits: int | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim] attends to its whole context (seq_lens incl. itself) -> out."""
-    num_seqs, num_heads, _ = q.shape
     block_size, num_kv_heads, head_dim = check_paged_inputs(q, key_cache, value_cache, block_tables, seq_lens)
-    assert seq_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
+    assert seq_lens.shape == (q.shape[0],) and block_tables.shape[0] == q.shape[0]
+    return _decode(q, key_cache, value_cache, block_tables, block_tables.stride(0), seq_lens, max_seq_len, scale,
+                   block_size, num_kv_heads, head_dim, False, num_splits, out)
+
+
+def contiguous_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_ids: torch.Tensor,
+                      seq_lens: torch.Tensor, max_seq_len: int, scale: float, num_splits: int | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """The same attention over a contiguous (vAttention) cache [num_slots, slot_len, Hkv, D]: sequence i's
+    context is rows 0 .. seq_lens[i] - 1 of slot slot_ids[i]; no block table."""
+    num_kv_heads, head_dim = check_contiguous_inputs(q, key_cache, value_cache, slot_ids, seq_lens)
+    return _decode(q, key_cache, value_cache, slot_ids, 1, seq_lens, max_seq_len, scale, 1, num_kv_heads,
+                   head_dim, True, num_splits, out)
+
+
+def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
+            stride_table: int, seq_lens: torch.Tensor, max_seq_len: int, scale: float, block_size: int,
+            num_kv_heads: int, head_dim: int, contiguous: bool, num_splits: int | None,
+            out: torch.Tensor | None) -> torch.Tensor:
+    num_seqs, num_heads, _ = q.shape
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
@@ -231,18 +277,19 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         part_acc = part_max = part_sum = out  # unused: the NUM_SPLITS == 1 branch writes OUT directly
 
     paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, key_cache, value_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum,
+        q, key_cache, value_cache, table, seq_lens, out, part_acc, part_max, part_sum,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        stride_table,
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=TILE_TOKENS,
         NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        CONTIGUOUS=contiguous,
     )
     if num_splits > 1:
         paged_decode_reduce_kernel[(num_seqs, num_heads)](

@@ -3,8 +3,9 @@
     | cached prefix (seen fully) | new tokens (seen causally) |
     0                        ctx_len                       seq_len        ctx_len = seq_len - query_len
 
-Both regions are read through the block table: write_kv has already put the new tokens' K/V in
-their slots. Flash-attention tiling with an online softmax in base 2 and fp32 accumulation.
+Both regions are read through the block table (or, CONTIGUOUS, as rows 0 .. seq_len - 1 of the
+sequence's slot: `contiguous_prefill`): write_kv has already put the new tokens' K/V in their slots.
+Flash-attention tiling with an online softmax in base 2 and fp32 accumulation.
 
 Grid (num_seqs, cdiv(max_query_len, BLOCK_Q), num_kv_heads). A program owns BLOCK_Q query tokens
 of one sequence and all GROUP query heads of one KV head (GQA): its BLOCK_M = BLOCK_Q * GROUP_PAD
@@ -17,14 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_decode import LOG2E, check_paged_inputs, dot_dtype, load_kv_tile
+from kernels.paged_decode import LOG2E, check_contiguous_inputs, check_paged_inputs, dot_dtype, load_kv_tile
 
 
 @triton.jit
 def paged_prefill_kernel(
     Q,                         # [num_tokens, num_heads, head_dim]
     KEY_CACHE, VALUE_CACHE,    # [num_blocks, block_size, num_kv_heads, head_dim]
-    BLOCK_TABLES,              # [num_seqs, max_blocks] int32
+    BLOCK_TABLES,              # [num_seqs, max_blocks] int32 (CONTIGUOUS: SLOT_IDS [num_seqs] int32)
     SEQ_LENS,                  # [num_seqs] int32, context incl. the new tokens
     QUERY_START_LOC,           # [num_seqs + 1] int32
     OUT,                       # [num_tokens, num_heads, head_dim]
@@ -39,6 +40,7 @@ def paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     q_block = tl.program_id(1)
@@ -79,7 +81,7 @@ def paged_prefill_kernel(
         pos = tile_start + offs_n                                              # [BLOCK_N]
         n_mask = pos < kv_end
         k, v = load_kv_tile(bt_row, kc_head, vc_head, pos, n_mask, offs_d, d_mask, stride_kc_block,
-                            stride_kc_tok, stride_vc_block, stride_vc_tok, BLOCK_SIZE)
+                            stride_kc_tok, stride_vc_block, stride_vc_tok, BLOCK_SIZE, CONTIGUOUS)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale         # [BLOCK_M, BLOCK_N]
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -102,10 +104,28 @@ def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim]: each sequence's new tokens, K/V already in the cache -> out."""
+    block_size, num_kv_heads, head_dim = check_paged_inputs(q, key_cache, value_cache, block_tables, seq_lens)
+    assert block_tables.shape[0] == seq_lens.shape[0]
+    return _prefill(q, key_cache, value_cache, block_tables, block_tables.stride(0), seq_lens, query_start_loc,
+                    max_query_len, scale, block_size, num_kv_heads, head_dim, False, out)
+
+
+def contiguous_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_ids: torch.Tensor,
+                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """The same over a contiguous (vAttention) cache [num_slots, slot_len, Hkv, D]: sequence i is rows
+    0 .. seq_lens[i] - 1 of slot slot_ids[i]; no block table."""
+    num_kv_heads, head_dim = check_contiguous_inputs(q, key_cache, value_cache, slot_ids, seq_lens)
+    return _prefill(q, key_cache, value_cache, slot_ids, 1, seq_lens, query_start_loc, max_query_len, scale, 1,
+                    num_kv_heads, head_dim, True, out)
+
+
+def _prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
+             stride_table: int, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+             scale: float, block_size: int, num_kv_heads: int, head_dim: int, contiguous: bool,
+             out: torch.Tensor | None) -> torch.Tensor:
     num_tokens, num_heads, _ = q.shape
     num_seqs = seq_lens.shape[0]
-    block_size, num_kv_heads, head_dim = check_paged_inputs(q, key_cache, value_cache, block_tables, seq_lens)
-    assert block_tables.shape[0] == num_seqs
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,)
     assert query_start_loc.is_contiguous()
     if out is None:
@@ -125,18 +145,19 @@ def paged_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     block_m = block_q * group_pad
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     paged_prefill_kernel[grid](
-        q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+        q, key_cache, value_cache, table, seq_lens, query_start_loc, out,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        stride_table,
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
         DOT_DTYPE=dot_dtype(q.dtype), DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        CONTIGUOUS=contiguous,
         num_warps=8 if block_m >= 128 else 4,
     )
     return out

@@ -35,7 +35,7 @@ class TorchAttentionBackend:
             k = key_cache[blocks].flatten(0, 1)[:seq_len]      # [seq_len, Hkv, D]
             v = value_cache[blocks].flatten(0, 1)[:seq_len]
             s, e = starts[i], starts[i + 1]
-            out[s:e] = _attend(q[s:e], k, v, scale, causal_offset=seq_len - q_len)
+            out[s:e] = attend(q[s:e], k, v, scale, causal_offset=seq_len - q_len)
         return out
 
     def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -60,7 +60,7 @@ class TorchAttentionBackend:
             vc[dst] = vc[src]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int) -> torch.Tensor:
     # q: [Q, H, D]; k, v: [L, Hkv, D]; query row i sits at position causal_offset + i.
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_heads != num_kv_heads:

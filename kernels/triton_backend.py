@@ -1,4 +1,5 @@
-"""TritonAttentionBackend: the GPU path, wiring the four Triton launchers behind the backend protocol.
+"""TritonAttentionBackend: the GPU path, wiring the four Triton launchers behind the backend protocol;
+ContiguousTritonBackend: the same kernels over a contiguous (vAttention) cache, slots instead of tables.
 
 forward sends decode-only batches (one query token per sequence) to the split-KV decode kernel and
 everything else (prefill chunks, prefix-hit extends, mixed batches) to the paged prefill kernel.
@@ -10,8 +11,8 @@ import torch
 from kernels.block_copy import copy_blocks
 from kernels.kv_write import kv_write
 from kernels.metadata import AttentionMetadata
-from kernels.paged_decode import paged_decode
-from kernels.paged_prefill import paged_prefill
+from kernels.paged_decode import contiguous_decode, paged_decode
+from kernels.paged_prefill import contiguous_prefill, paged_prefill
 
 
 class TritonAttentionBackend:
@@ -34,3 +35,22 @@ class TritonAttentionBackend:
     def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                     src: torch.Tensor, dst: torch.Tensor) -> None:
         copy_blocks(key_caches, value_caches, src, dst)
+
+
+class ContiguousTritonBackend:
+    """Caches are [num_slots, slot_len, Hkv, D] (kernels/contiguous_torch.py has the layout); kv_write
+    treats a slot as one block of slot_len tokens, the attention kernels run in their CONTIGUOUS mode."""
+
+    name = "triton"
+
+    def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, md: AttentionMetadata) -> None:
+        kv_write(key_cache, value_cache, key, value, md.slot_mapping)
+
+    def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        assert md.slot_ids is not None, "a contiguous cache needs slot ids"
+        if md.is_decode_only:
+            return contiguous_decode(q, key_cache, value_cache, md.slot_ids, md.seq_lens, md.max_seq_len, scale)
+        return contiguous_prefill(q, key_cache, value_cache, md.slot_ids, md.seq_lens, md.query_start_loc,
+                                  md.max_query_len, scale)

@@ -169,7 +169,7 @@ class PrefixRegistry:
 
         The work runs as its own task: a caller that goes away (a cancelled HTTP handler) does not cut
         it between the pin and the record, so the pinned set and the store never disagree for it."""
-        block_size = self.engine.config.block_size
+        block_size = self.engine.block_size
         if len(token_ids) < block_size:
             raise InvalidPrefix(f"the prefix has {len(token_ids)} tokens, less than one KV block ({block_size}): it "
                                 "would pin nothing; registered prefixes are for long shared prompts", param="prompt")

@@ -60,11 +60,11 @@ async def server_info(request: web.Request) -> web.Response:
     # ("duplicate field") when both are present.
     return web.json_response({
         "model_id": state.model_name, "served_model_name": state.model_name, "model_path": _model_path(request),
-        "instance_id": f"{socket.gethostname()}:{state.config.port}", "kv_block_size": cfg.block_size,
+        "instance_id": f"{socket.gethostname()}:{state.config.port}", "kv_block_size": engine.block_size,
         "max_model_len": engine.max_model_len, "max_num_seqs": cfg.max_num_seqs,
         "max_num_batched_tokens": cfg.max_num_batched_tokens, "num_kv_blocks": engine.stats().kv_blocks_total,
         "enable_prefix_caching": cfg.enable_prefix_caching, "fingerprint": engine.fingerprint,
-        "device": cfg.device, "dtype": cfg.dtype, "attention_backend": cfg.attention_backend,
+        "device": cfg.device, "dtype": cfg.dtype, "attention_backend": cfg.attention_backend, "kv_backend": cfg.kv_backend,
         "kv_events_config": dataclasses.asdict(events) if events is not None else None,
         "version": __version__})
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import AttentionBackend, AttentionMetadata
+from kernels import Attention as AttentionOps
+from kernels import AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -144,7 +145,7 @@ class Attention(nn.Module):
         self.scale = args.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, md: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                value_cache: torch.Tensor, md: AttentionMetadata, backend: AttentionOps) -> torch.Tensor:
         # x: [T, hidden]
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -177,7 +178,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, md: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                value_cache: torch.Tensor, md: AttentionMetadata, backend: AttentionOps) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, key_cache, value_cache, md, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -200,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, key_caches: torch.Tensor,
-                value_caches: torch.Tensor, md: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                value_caches: torch.Tensor, md: AttentionMetadata, backend: AttentionOps) -> torch.Tensor:
         # input_ids, positions: [T]; key_caches: [num_layers, num_blocks, block_size, Hkv, D] -> [T, hidden]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
