@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench vattentio
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['context']} | {r['paged_decode_step_ms']:.1f} | "
-                     f"{r['vattention_decode_step_ms']:.1f} | {r['decode_ratio']:.2f} | {r['paged_prefill_tok_s']:.0f} | "
-                     f"{r['vattention_prefill_tok_s']:.0f} | {r['prefill_ratio']:.2f} | {r['decode_stalls']} | "
+                     f"{r['vattention_decode_step_ms']:.1f} | {r['decode_ratio']:.2f} | "
+                     f"{r['paged_prefill_tok_s']:.0f} | {r['vattention_prefill_tok_s']:.0f} | "
+                     f"{r['prefill_ratio']:.2f} | {r['decode_stalls']} | "
                      f"{r['ahead_maps']} |")
     table = "\n".join(lines) + (
         f"\n\nMedians: decode step vattention / paged **{result['decode_ratio_median']:.2f}**, prefill throughput "
