@@ -35,6 +35,8 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the built-in model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-backend", default="paged", choices=["paged", "vattention"],
+                    help="KV cache backend of the engines measured (vattention: CPU only)")
     ap.add_argument("--out", type=Path, default=None,
                     help=f"where the .md, .png and .json go (default: a new scratch folder; the committed results "
                          f"are in {RESULTS.relative_to(RESULTS.parents[1])})")

@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.prefix
     seed = args.seed
 
     def engine(loaded: Any = None, **kw: Any) -> LLMEngine:
-        cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, **kw)
+        cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_backend=args.kv_backend,
+                           **kw)
         return LLMEngine(cfg, loaded=loaded)
 
     on = engine(num_kv_blocks=1024)

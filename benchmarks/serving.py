@@ -160,7 +160,8 @@ def offline_tokens_per_s(llm, prompts: list[list[int]], output_len: int) -> floa
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {"num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs, "block_size": args.block_size}
+    return {"num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs, "block_size": args.block_size,
+            "kv_backend": args.kv_backend}
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -169,7 +170,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "service", "--port", str(port), "--num-kv-blocks", str(args.num_kv_blocks),
            "--max-num-seqs", str(args.max_num_seqs), "--block-size", str(args.block_size),
-           "--max-num-waiting", "100000"]
+           "--max-num-waiting", "100000", "--kv-backend", args.kv_backend]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -267,6 +268,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-backend", default="paged", choices=["paged", "vattention"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overhead-rounds", type=int, default=2, help="offline / server turns for the overhead ratio")
     p.add_argument("--torch-threads", type=int, default=None,

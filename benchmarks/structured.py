@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench structure
     if args.quick:
         args.num_prompts, args.output_len, args.rounds = 8, 32, 4
     setup_torch(args)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=1024, num_kv_blocks=1024)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_backend=args.kv_backend,
+              max_model_len=1024, num_kv_blocks=1024)
     prompts = random_prompts([48] * args.num_prompts, llm.engine.core.vocab_size, args.seed)
     llm.engine.core.grammars.compile(StructuredSpec("json_schema", json.dumps(SCHEMA)))   # compile outside the timing
     run(llm, prompts[:2], 4, True, args.seed)                                           # warm-up

@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.throug
     setup_torch(args)
     n = args.num_prompts or (32 if args.quick else 200)
     scale = args.scale or (0.25 if args.quick else 1.0)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=2048)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_backend=args.kv_backend,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048)
     model_dir = str(llm.engine.loaded.path)
     reqs = make_requests(llm.engine.loaded.args.vocab_size, n, scale, args.seed)
     out_tokens = sum(o for _, o in reqs)

@@ -87,13 +87,15 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench vattentio
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048])
-    ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 8 16; --quick: 1 8)")
+    ap.add_argument("--contexts", type=int, nargs="+", help="context lengths (default 256 1024 2048; quick: 256 1024)")
+    ap.add_argument("--decode-steps", type=int, help="timed decode steps (default 16; --quick: 12)")
+    ap.add_argument("--rounds", type=int, help="rounds per point (default 2; --quick: 1)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.batches, args.contexts, args.decode_steps, args.rounds = [1, 8], [256, 1024], 12, 1
+    defaults = ([1, 8], [256, 1024], 12, 1) if args.quick else ([1, 8, 16], [256, 1024, 2048], 16, 2)
+    for name, value in zip(("batches", "contexts", "decode_steps", "rounds"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     setup_torch(args)
     max_len = max(args.contexts) + args.decode_steps + 16
     blocks = max(args.batches) * (max_len // 16 + 2) + 64
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench vattentio
     core = llms["vattention"].engine.core
     assert core.vattention is not None and core.block_size == llms["paged"].engine.core.block_size
     vocab = core.vocab_size
-    warm = random_prompts([64] * 4, vocab, args.seed + 99)
+    warm = random_prompts([min(64, *args.contexts)] * 4, vocab, args.seed + 99)
     for llm in llms.values():                                  # warm-up: first steps, first mappings
         measure(llm, warm, 4)
     rows: list[dict[str, Any]] = []

@@ -198,3 +198,17 @@ def test_routing_through_the_real_router(tiny_llama_dir: Path, tmp_path: Path,
     saved = json.loads((tmp_path / "routing.json").read_text())
     assert [sum(saved["runs"][p]["served_per_replica"]) for p in ("round_robin", "registered")] == [12, 12]
     assert saved["runs"]["round_robin"]["served_per_replica"] == [4, 4, 4]
+
+
+def test_vattention_bench_on_a_tiny_checkpoint(tiny_llama_dir: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["vattention", "--quick", "--model", str(tiny_llama_dir), "--batches", "1", "3", "--contexts", "46",
+                   "--decode-steps", "3", "--out", str(tmp_path)])
+    assert rc == 0
+    res = result_line(capsys.readouterr().out)
+    assert res["decode_ratio_median"] > 0 and res["prefill_ratio_median"] > 0
+    assert res["decode_stalls_after_warmup"] == 0 and res["map_us_per_page"] > 0
+    rows = json.loads((tmp_path / "vattention.json").read_text())["result"]["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 46), (3, 46)]
+    assert all(r["ahead_maps"] > 0 for r in rows)          # each decode crossed into a new page (position 48)
+    assert (tmp_path / "vattention.png").stat().st_size > 0
