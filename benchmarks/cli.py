@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-OURS = ("throughput", "memory", "prefix", "sharing", "structured", "routing", "vattention")
+OURS = ("throughput", "memory", "prefix", "sharing", "structured", "routing", "vattention", "decode")
 DELEGATED = ("serving", "kernels")
 PROG = "prefixserve bench"
 

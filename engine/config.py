@@ -15,6 +15,7 @@ from engine.kv_events import KVEventsConfig
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
 KV_BACKENDS = ("paged", "vattention")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 def knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -28,6 +29,9 @@ class EngineConfig:
                                    "(default: the built-in model)")
     device: str = knob("cpu", "torch device: cpu, cuda, cuda:1, ...")
     dtype: str = knob("float32", "weights and KV cache dtype", DTYPES)
+    quantization: str | None = knob(None, "weights kept quantized on the CPU: none, int8 (per row) or int4 (per group "
+                                          "of 32; GGUF Q4_0 / Q4_1 taken as they are). Default: the checkpoint's own "
+                                          "(int4 for a 4-bit GGUF, int8 for Q5-Q8, none otherwise)", QUANTIZATIONS)
     block_size: int = knob(16, "KV cache block size in tokens")
     num_kv_blocks: int | None = knob(None, "KV cache blocks (default: as many as --kv-cache-memory-gb holds)")
     kv_cache_memory_gb: float = knob(1.0, "KV cache budget in GiB, used when --num-kv-blocks is not given")
@@ -44,7 +48,8 @@ class EngineConfig:
                                     "needs it, mapped by a background thread during a forward pass (0: never ahead)")
     enable_prefix_caching: bool = knob(True, "share full KV blocks between requests with the same prefix")
     pinned_fraction: float = knob(0.5, "cap on pinned (registered-prefix) blocks, as a share of all blocks")
-    torch_threads: int | None = knob(None, "torch intra-op threads (default: torch's)")
+    torch_threads: int | None = knob(None, "torch intra-op threads (serve / generate default: the cores this "
+                                           "process may use, affinity and cgroup quota; offline LLM(): torch's)")
     chat_template: str | None = knob(None, "a Jinja chat template (a file, or the template itself) replacing "
                                            "the checkpoint's")
     kv_events_config: str | None = knob(None, "vLLM's KV-events JSON, e.g. '{\"enable_kv_cache_events\": true, "
@@ -64,6 +69,8 @@ class EngineConfig:
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
             (0.0 <= self.pinned_fraction <= 1.0, "pinned_fraction must be within [0, 1]"),
             (self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1"),
+            (self.quantization is None or self.quantization in QUANTIZATIONS,
+             f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"),
             (self.kv_backend in KV_BACKENDS, f"kv_backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}"),
             (self.map_ahead_tokens >= 0, "map_ahead_tokens must be >= 0"),
             (self.chat_template is None or "{{" in self.chat_template or "{%" in self.chat_template

@@ -85,7 +85,7 @@ class EngineCore:
             model = config.model
             if model is None:
                 model = str(default_model_path())
-            loaded = load_model(model, device=config.device, dtype=config.dtype)
+            loaded = load_model(model, device=config.device, dtype=config.dtype, quantization=config.quantization)
             if config.model is None:
                 loaded.name = DEFAULT_NAME
         if config.chat_template is not None:

@@ -33,8 +33,27 @@ def parser() -> argparse.ArgumentParser:
 
 
 def config_from(args: argparse.Namespace) -> ServiceConfig:
-    return ServiceConfig(engine=EngineConfig(**flags.values(args, EngineConfig)),
-                         **flags.values(args, ServiceConfig))
+    engine = flags.values(args, EngineConfig)
+    if engine.get("torch_threads") is None:
+        engine["torch_threads"] = usable_cores()
+    return ServiceConfig(engine=EngineConfig(**engine), **flags.values(args, ServiceConfig))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a container's
+    `cpus:`), which torch's own default (the machine's cores) ignores and then oversubscribes."""
+    import math
+    import os
+    from pathlib import Path
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
 
 
 def serve(config: ServiceConfig) -> None:
@@ -53,7 +72,10 @@ async def _generate(args: argparse.Namespace) -> None:
     from engine.async_engine import AsyncEngine
     from engine.sequence import SamplingParams
 
-    engine = AsyncEngine(EngineConfig(**flags.values(args, EngineConfig)))
+    values = flags.values(args, EngineConfig)
+    if values.get("torch_threads") is None:
+        values["torch_threads"] = usable_cores()
+    engine = AsyncEngine(EngineConfig(**values))
     tok = engine.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,

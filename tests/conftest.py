@@ -37,6 +37,7 @@ def real_model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def real_llm(real_model_path: Path):  # type: ignore[no-untyped-def]
-    """One engine on the real model for the session's real-model tests (1 GiB of KV cache, 2k context)."""
+    """One engine on the real model, weights dequantized to float32 (`quantization="none"`: the exact
+    comparison with transformers), 2k context."""
     from engine import LLM
-    return LLM(str(real_model_path), max_model_len=2048, num_kv_blocks=512)
+    return LLM(str(real_model_path), max_model_len=2048, num_kv_blocks=512, quantization="none")

@@ -178,6 +178,62 @@ def _hf_name(gguf_name: str) -> str:
     raise UnsupportedGGUF(f"GGUF tensor {gguf_name!r} is not part of a Llama-family model")
 
 
+_FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
+_EIGHT_BIT = ("Q8_0", "Q8_1", "Q8_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+
+
+def native_quantization(gguf_path: Path) -> str:
+    """The quantization that keeps a GGUF's layer weights as small as they are: int4 for 4-bit types,
+    int8 for 5- to 8-bit ones, none for F32 / F16 / BF16 (by the type most of the layer weights have)."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    kinds = Counter(t.tensor_type.name for t in GGUFReader(str(gguf_path)).tensors
+                    if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2)
+    if not kinds:
+        return "none"
+    top = kinds.most_common(1)[0][0]
+    return "int4" if top in _FOUR_BIT else "int8" if top in _EIGHT_BIT else "none"
+
+
+def q4_weights(gguf_path: Path) -> dict[str, tuple[Any, ...]]:
+    """The exact 4-bit form (engine/models/quant.gguf_q4) of every Q4_0 / Q4_1 projection, under our fused
+    parameter names (layers.i.self_attn.qkv_proj.weight, layers.i.mlp.gate_up_proj.weight, ...), Q/K rows
+    un-permuted as `hf_tensors` does. A fused projection is listed only if all its parts are 4-bit."""
+    import torch
+    from gguf import GGUFReader
+
+    from engine.models.quant import gguf_q4
+
+    reader = GGUFReader(str(gguf_path))
+    cfg = hf_config(reader)
+    parts: dict[str, tuple[Any, ...]] = {}
+    for t in reader.tensors:
+        if not t.name.startswith("blk.") or len(t.shape) != 2:
+            continue
+        cols, rows = (int(d) for d in t.shape)
+        got = gguf_q4(np.asarray(t.data), t.tensor_type.name, rows, cols)
+        if got is None:
+            continue
+        name = _hf_name(t.name).removeprefix("model.")
+        if name.endswith("q_proj.weight"):
+            got = tuple(torch.from_numpy(_unpermute(x.numpy(), cfg["num_attention_heads"])) for x in got)
+        elif name.endswith("k_proj.weight"):
+            got = tuple(torch.from_numpy(_unpermute(x.numpy(), cfg["num_key_value_heads"])) for x in got)
+        parts[name] = got
+    out: dict[str, tuple[Any, ...]] = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for fused, names in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                             ("self_attn.o_proj", ("self_attn.o_proj",)),
+                             ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+                             ("mlp.down_proj", ("mlp.down_proj",))):
+            pieces = [parts.get(f"layers.{i}.{n}.weight") for n in names]
+            if all(p is not None for p in pieces):
+                out[f"layers.{i}.{fused}.weight"] = tuple(torch.cat([p[k] for p in pieces]) for k in range(3))  # type: ignore[index]
+    return out
+
+
 def _convert(gguf_path: Path, out: Path) -> None:
     """Writes config.json, generation_config.json, model.safetensors and the tokenizer into `out`."""
     import torch

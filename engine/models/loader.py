@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.models.gguf import checkpoint_dir, is_gguf, stored_fingerprint
+from engine.models.gguf import checkpoint_dir, is_gguf, native_quantization, q4_weights, stored_fingerprint
 from engine.models.llama import LlamaForCausalLM, ModelArgs, rope_inv_freq
+from engine.models.quant import QUANTIZATIONS, quantize_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +31,7 @@ class LoadedModel:
     tokenizer_version: str          # hex of tokenizer files + chat template
     eos_token_ids: list[int]
     name: str = ""                  # what the API calls it: the directory's or the .gguf file's name
+    quantization: str = "none"      # weights kept quantized: none, int8, int4 (engine/models/quant.py)
 
 
 def default_cache_dir() -> Path:
@@ -118,8 +120,17 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
-def load_model(model: str, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+def load_model(model: str, device: str = "cpu", dtype: str = "float32", quantization: str | None = None) -> LoadedModel:
+    """`quantization`: none, int8 or int4; None: the checkpoint's own (a GGUF's, on the CPU; none otherwise)."""
     from transformers import AutoTokenizer
+
+    on_cpu = torch.device(device).type == "cpu"
+    if quantization is None:
+        quantization = native_quantization(Path(model).expanduser()) if is_gguf(model) and on_cpu else "none"
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization != "none" and not on_cpu:
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only for now; use quantization 'none'")
 
     path = resolve_model_path(model)
     cfg = json.loads((path / "config.json").read_text())
@@ -132,6 +143,9 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32") -> Loade
         net.lm_head.weight = net.embed_tokens.weight
     load_weights(net, path)
     net = net.to(dtype=torch_dtype)
+    if quantization != "none":
+        exact = q4_weights(Path(model).expanduser()) if is_gguf(model) and quantization == "int4" else None
+        quantize_model(net, quantization, exact)
     net.rotary.inv_freq = rope_inv_freq(args).to(device)  # float32 whatever the weights' dtype
     net.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -150,4 +164,4 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32") -> Loade
     if not eos_ids and tokenizer.eos_token_id is not None:
         eos_ids = [tokenizer.eos_token_id]
     name = Path(model).name.removesuffix(".gguf") if is_gguf(model) else path.name
-    return LoadedModel(net, args, tokenizer, path, fingerprint, tokenizer_version, eos_ids, name)
+    return LoadedModel(net, args, tokenizer, path, fingerprint, tokenizer_version, eos_ids, name, quantization)

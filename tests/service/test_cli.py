@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from service.cli import config_from, parser
+from service.cli import config_from, parser, usable_cores
 from tests.helpers.redis_server import free_port
 from tests.helpers.server import status_of
 
@@ -96,11 +96,11 @@ def test_every_config_knob_is_a_flag_and_a_variable(monkeypatch: pytest.MonkeyPa
     assert cfg.engine.enable_prefix_caching is False and cfg.engine.kv_cache_memory_gb == 0.5
     monkeypatch.setenv("PREFIXSERVE_MAX_NUM_BATCHED_TOKENS", "7")
     monkeypatch.setenv("PREFIXSERVE_ENABLE_PREFIX_CACHING", "false")
-    monkeypatch.setenv("PREFIXSERVE_TORCH_THREADS", "none")
+    monkeypatch.setenv("PREFIXSERVE_TORCH_THREADS", "1")
     monkeypatch.setenv("PREFIXSERVE_MAX_WS_GENERATIONS", "3")
     cfg = config_from(parser().parse_args(["serve"]))
     assert cfg.engine.max_num_batched_tokens == 7 and cfg.engine.enable_prefix_caching is False
-    assert cfg.engine.torch_threads is None and cfg.max_ws_generations == 3
+    assert cfg.engine.torch_threads == 1 and cfg.max_ws_generations == 3
 
 
 def test_setup_mistakes_are_one_line_of_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -120,3 +120,17 @@ def test_setup_mistakes_are_one_line_of_error(tiny_llama_dir: Path, tmp_path: Pa
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("prefixserve: cannot listen on 127.0.0.1:") and str(port) in last
+
+
+def test_serve_uses_the_cores_it_may_use_by_default() -> None:
+    """Not torch's default (every core of the machine, which a container's CPU quota does not cap)."""
+    cores = usable_cores()
+    assert 1 <= cores <= len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            assert cores <= -(-int(quota) // int(period))
+    except OSError:
+        pass
+    assert config_from(parser().parse_args(["serve"])).engine.torch_threads == cores
+    assert config_from(parser().parse_args(["serve", "--torch-threads", "1"])).engine.torch_threads == 1

@@ -1,0 +1,139 @@
+"""Weight-only quantized linear layers: GGUF's 4- and 8-bit weights kept quantized on the CPU.
+
+    int4   the projections of every layer as 4-bit weights with a scale and a zero per group of 32
+           (torch's `_weight_int4pack_mm_for_cpu`, tinygemm's convention: w = (q - 8) * scale + zero).
+           GGUF Q4_0 / Q4_1 blocks are exactly this form (Q4_1: q * d + m, so scale = d, zero = m + 8 d;
+           Q4_0: (q - 8) * d, zero 0) and are taken as they are, nibbles and scales, not re-quantized.
+           Other weights (K-quants, F16, F32) are quantized round-to-nearest, min/max per group.
+    int8   8-bit weights with one scale per output row (`_weight_int8pack_mm`), round-to-nearest.
+
+The output projection (lm_head, tied to the embedding in SmolLM2: 49,152 x 576, a fifth of the model)
+is int8 in both modes, as llama.cpp keeps its output layer at 8 bits or more, with its top logits
+recomputed exactly (Int8Logits); the embedding lookup reads one row per token and stays in the serving
+dtype.
+
+NOTE: precision. The CPU kernels are fast with bfloat16 activations only (fp32 activations take a
+slow path, 20x slower here), so a quantized layer casts its input to bfloat16 and its output back;
+scales and zeros are bfloat16 too. Everything else (norms, attention, residuals, logits) stays in the
+serving dtype. Greedy output is therefore close to, not equal to, the dequantized model's:
+tests/engine/test_quant.py states the tolerance and measures the agreement.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.config import QUANTIZATIONS
+
+GROUP = 32                       # GGUF's block size for Q4_0 / Q4_1 / Q8_0, and our int4 group
+_ACT = torch.bfloat16
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T (+ b) with W as 4-bit groups; x: [T, in] in any float dtype, y in x's dtype."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None) -> None:
+        # q: [out, in] int32 in 0..15; scale, zero: [out, in // GROUP]
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2))
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()         # [in // GROUP, out, 2]
+        self.register_buffer("scale_zero", sz.to(_ACT))
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_ACT), self.packed, GROUP, self.scale_zero).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None) -> Int4Linear:
+        """Round-to-nearest, asymmetric, min/max per group of 32 (as GGUF's Q4_1 quantizes)."""
+        out, inp = w.shape
+        g = w.float().reshape(out, inp // GROUP, GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        d = (hi - lo) / 15
+        safe = torch.where(d == 0, torch.ones_like(d), d)
+        q = torch.clamp(torch.round((g - lo[..., None]) / safe[..., None]), 0, 15).reshape(out, inp)
+        return cls(q.to(torch.int32), d, lo + 8 * d, bias)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ W^T (+ b) with W as int8 rows, one scale per output row."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = w.shape
+        scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.register_buffer("weight_q", torch.round(w.float() / scale[:, None]).to(torch.int8))
+        self.register_buffer("scale", scale.to(_ACT))
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(_ACT), self.weight_q, self.scale).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Logits(nn.Module):
+    """The output projection: int8 rows for every logit, then the top `refine` logits of each row
+    recomputed exactly, in float32, from the serving weight (the embedding table when tied: no copy).
+
+    NOTE: why. The int8 kernel returns bfloat16, whose step at a logit of 16 is 0.125: greedy choices
+    between logits closer than that would be ties broken by rounding (SmolLM2 answering "What is the
+    capital of France?" has "The" 0.08 above "L" at its first token). The top candidates are exact
+    again; the rest keep the coarse value, which moves sampling probabilities by well under a percent."""
+
+    def __init__(self, weight: torch.Tensor, refine: int = 32) -> None:
+        super().__init__()
+        self.dense = Int8Linear(weight, None)
+        self.weight = weight                        # float, [vocab, hidden]; shared with the embedding if tied
+        self.refine = min(refine, weight.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.dense(x).float()                                          # [T, V] coarse
+        top = logits.topk(self.refine, dim=-1).indices                          # [T, k]
+        exact = torch.einsum("tkh,th->tk", self.weight[top].float(), x.float())
+        return logits.scatter_(1, top, exact)
+
+
+# -- GGUF blocks, as they are ---------------------------------------------------------------------
+def gguf_q4(raw: np.ndarray, type_name: str, rows: int, cols: int) -> tuple[torch.Tensor, ...] | None:
+    """(q [rows, cols] 0..15, scale, zero [rows, cols // 32]) of a Q4_0 / Q4_1 tensor's raw blocks, or
+    None for other types. Block layouts (ggml): Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]};
+    element j < 16 is the low nibble of qs[j], element j + 16 the high nibble."""
+    head = {"Q4_0": 2, "Q4_1": 4}.get(type_name)
+    if head is None:
+        return None
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // GROUP, head + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if head == 4 else None
+    qs = blocks[..., head:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols).astype(np.int32)
+    zero = m + 8 * d if m is not None else np.zeros_like(d)
+    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+def quantize_model(model: Any, mode: str, gguf_q4_weights: dict[str, tuple[torch.Tensor, ...]] | None = None) -> None:
+    """Replaces the model's projections (and lm_head) with quantized layers, in place. `gguf_q4_weights`:
+    our parameter name -> the exact 4-bit form of that weight (fused projections already concatenated)."""
+    assert mode in ("int8", "int4")
+    exact = gguf_q4_weights or {}
+    for i, layer in enumerate(model.layers):
+        for owner, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
+                            (layer.mlp, "down_proj")):
+            lin: nn.Linear = getattr(owner, attr)
+            w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
+            name = f"layers.{i}.{'self_attn' if owner is layer.self_attn else 'mlp'}.{attr}.weight"
+            if mode == "int8" or w.shape[1] % GROUP:
+                setattr(owner, attr, Int8Linear(w, b))
+            elif name in exact:
+                q, scale, zero = exact[name]
+                setattr(owner, attr, Int4Linear(q, scale, zero, b))
+            else:
+                setattr(owner, attr, Int4Linear.from_float(w, b))
+    model.lm_head = Int8Logits(model.lm_head.weight.detach())
+
+
+__all__ = ["QUANTIZATIONS", "Int4Linear", "Int8Linear", "Int8Logits", "gguf_q4", "quantize_model"]
