@@ -35,6 +35,8 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the built-in model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
+                    help="weights of the engines measured (default: the checkpoint's own: int4 for the built-in model)")
     ap.add_argument("--kv-backend", default="paged", choices=["paged", "vattention"],
                     help="KV cache backend of the engines measured (vattention: CPU only)")
     ap.add_argument("--out", type=Path, default=None,

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.prefix
 
     def engine(loaded: Any = None, **kw: Any) -> LLMEngine:
         cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_backend=args.kv_backend,
+                           quantization=args.quantization,
                            **kw)
         return LLMEngine(cfg, loaded=loaded)
 

@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.sharin
     scale = args.scale or (0.125 if args.quick else 0.25)
     max_out = args.max_output or (48 if args.quick else 256)
     ks = [int(k) for k in args.ks.split(",")]
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_backend=args.kv_backend, enable_prefix_caching=False,
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_backend=args.kv_backend,
+              quantization=args.quantization, enable_prefix_caching=False,
               max_num_seqs=256, max_num_batched_tokens=4096)
     engine = llm.engine
     vocab = engine.loaded.args.vocab_size

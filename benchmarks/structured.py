@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench structure
         args.num_prompts, args.output_len, args.rounds = 8, 32, 4
     setup_torch(args)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_backend=args.kv_backend,
+              quantization=args.quantization,
               max_model_len=1024, num_kv_blocks=1024)
     prompts = random_prompts([48] * args.num_prompts, llm.engine.core.vocab_size, args.seed)
     llm.engine.core.grammars.compile(StructuredSpec("json_schema", json.dumps(SCHEMA)))   # compile outside the timing

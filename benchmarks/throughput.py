@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.throug
     n = args.num_prompts or (32 if args.quick else 200)
     scale = args.scale or (0.25 if args.quick else 1.0)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_backend=args.kv_backend,
+              quantization=args.quantization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048)
     model_dir = str(llm.engine.loaded.path)
+    quant = llm.engine.loaded.quantization
     reqs = make_requests(llm.engine.loaded.args.vocab_size, n, scale, args.seed)
     out_tokens = sum(o for _, o in reqs)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))                   # warm-up
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.throug
              f"| prefixserve engine | {engine_s:.1f} | {engine_tok_s:.1f} |\n"
              f"| transformers generate (static batches of {args.hf_batch}) | {hf_s:.1f} | {hf_tok_s:.1f} |\n\n"
              f"{n} requests, mean input {mean_in:.0f} / output {out_tokens / n:.0f} tokens, EOS ignored, "
-             f"{args.dtype}. **engine / transformers = {ratio:.2f}x** (target on CPU: >= 2x; the vLLM paper "
+             f"{args.dtype}, our weights {quant} (transformers: the same checkpoint dequantized to "
+             f"{args.dtype}). **engine / transformers = {ratio:.2f}x** (target on CPU: >= 2x; the vLLM paper "
              "reports 14-24x on GPUs).")
     print(table)
     result = {"engine_tok_s": round(engine_tok_s, 2), "hf_tok_s": round(hf_tok_s, 2), "ratio": round(ratio, 3)}
