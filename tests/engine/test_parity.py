@@ -3,10 +3,8 @@ shared steps, block sizes 16 / 8 / 1, prefix cache cold and warm, and preemption
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 
@@ -20,21 +18,6 @@ def make_prompts(vocab: int) -> list[list[int]]:
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
     prompts += [shared + [rng.randrange(3, vocab) for _ in range(k)] for k in (1, 12)]
     return prompts
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> tuple[Path, list[list[int]], list[list[int]]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    hf.generation_config.eos_token_id = None
-    prompts = make_prompts(hf.config.vocab_size)
-    expected = []
-    for p in prompts:
-        out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))
-        expected.append(out[0, len(p):].tolist())
-    return tiny_model_dir, prompts, expected
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.vattention import VAttentionCache
-from tests.engine.test_parity import MAX_NEW, make_prompts, run
+from tests.engine.test_parity import run
 
 
 def vattention(llm: LLM) -> VAttentionCache:
@@ -31,20 +31,6 @@ def assert_idle_and_accounted(llm: LLM) -> None:
     assert va.busy_slots == 0 and va.live_pages == 0
     cache = vattention(llm)
     assert va.mapped_pages == sum(b >= 0 for row in cache.slots.mapped for b in row)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> tuple[Path, list[list[int]], list[list[int]]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    prompts = make_prompts(hf.config.vocab_size)
-    expected = []
-    for p in prompts:
-        out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))
-        expected.append(out[0, len(p):].tolist())
-    return tiny_model_dir, prompts, expected
 
 
 def test_greedy_parity_cold_and_warm(reference: Any) -> None:
