@@ -25,13 +25,13 @@ fork's partial page copies the physical page. Hashes, ref counts, pins and the L
 page for block, unchanged.
 
 Mapping off the critical path (vAttention's overlap): a decoding sequence about to fill its last page
-gets its next block early (EngineCore grows it `map_ahead_tokens` ahead), and `prepare` hands pages a
+gets its next block early (EngineCore grows it `map_ahead_tokens` ahead), and `addressing` hands pages a
 step does not read yet to a mapper thread, which maps them while the forward pass runs. Pages a step
 needs that are not mapped yet are mapped synchronously and counted (`sync_maps`); slots keep their
 mappings when their sequence ends (deferred reclamation, engine/slots.py).
 
 NOTE: ownership. `SlotTable` is touched only on the engine thread; the mapper thread only makes
-mmap calls on pages `prepare` gave it, and `prepare` waits for it before reading the table.
+mmap calls on pages `addressing` gave it, and `addressing` waits for it before reading the table.
 """
 from __future__ import annotations
 
