@@ -4,7 +4,8 @@
     python -m benchmarks.cli prefix --quick --out /tmp/results
 
 Names: throughput, memory, prefix, sharing, structured, routing, vattention, decode (ours: each writes
-<name>.md/.png/.json into --out and prints `RESULT {json}` last), serving (benchmarks/serving.py) and kernels (benchmarks/kernels.py, CUDA only).
+<name>.md/.png/.json into --out and prints `RESULT {json}` last), serving (benchmarks/serving.py) and
+kernels (benchmarks/kernels.py, CUDA only).
 """
 from __future__ import annotations
 
