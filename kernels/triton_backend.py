@@ -37,15 +37,10 @@ class TritonAttentionBackend:
         copy_blocks(key_caches, value_caches, src, dst)
 
 
-class ContiguousTritonBackend:
-    """Caches are [num_slots, slot_len, Hkv, D] (kernels/contiguous_torch.py has the layout); kv_write
-    treats a slot as one block of slot_len tokens, the attention kernels run in their CONTIGUOUS mode."""
-
-    name = "triton"
-
-    def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
-                 value: torch.Tensor, md: AttentionMetadata) -> None:
-        kv_write(key_cache, value_cache, key, value, md.slot_mapping)
+class ContiguousTritonBackend(TritonAttentionBackend):
+    """Caches are [num_slots, slot_len, Hkv, D] (kernels/contiguous_torch.py has the layout). write_kv is
+    the paged one's (kv_write treats a slot as one block of slot_len tokens, slot_mapping being
+    slot * slot_len + position); the attention kernels run in their CONTIGUOUS mode."""
 
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
