@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.quant import GROUP, Int4Linear, Int8Linear, Int8Logits, gguf_q4
+from engine.models.quant import GROUP, Int4Linear, Int8Linear, QuantLogits, gguf_q4
 
 # bfloat16 activations (8 mantissa bits: 2^-9 relative per element) through a dot product of a few
 # hundred terms: the output's relative error is a few 1e-3 (measured 3.4e-3 on SmolLM2's projections).
@@ -73,15 +73,19 @@ def test_quantized_linear_error_is_bounded(cls) -> None:
     assert rel_err(out, x @ w.T + b) < (0.1 if cls is not Int8Linear else 2e-2)
 
 
-def test_int8_logits_are_exact_where_they_decide() -> None:
+@pytest.mark.parametrize("mode,coarse_err", [("int8", 2e-2), ("int4", 0.1)])
+def test_quantized_logits_are_exact_where_they_decide(mode: str, coarse_err: float) -> None:
     torch.manual_seed(2)
-    w, h = torch.randn(5000, 64), torch.randn(6, 64)
+    w, h = torch.randn(5008, 64), torch.randn(6, 64)
     ref = h @ w.T
-    got = Int8Logits(w, refine=32)(h)
-    top = ref.topk(16, dim=-1).indices          # well inside the 32 refined (its edge may differ by rounding)
+    head = QuantLogits(w, mode, refine=64)
+    assert isinstance(head.dense, Int4Linear if mode == "int4" else Int8Linear)
+    got = head(h)
+    top = ref.topk(16, dim=-1).indices          # well inside the 64 refined (its edge may differ by rounding)
     torch.testing.assert_close(got.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-4)  # float32 sums
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    assert rel_err(got, ref) < 2e-2                             # the rest: int8 rows, bfloat16 output
+    assert rel_err(got, ref) < coarse_err                       # the rest: quantized rows, bfloat16 output
+    assert isinstance(QuantLogits(w[:5000], mode).dense, Int8Linear)   # rows the int4 kernel cannot take
 
 
 def test_int8_engine_on_a_tiny_checkpoint_stays_close_to_float32(tiny_llama_dir: Path) -> None:
