@@ -9,7 +9,8 @@ Same model for every row (default: the built-in SmolLM2-135M-Instruct Q4_1 GGUF)
   over `--rounds` requests;
 - 16 streams: 16 requests at once; tok/s = all output tokens / wall time (prefill included);
 - rows: prefixserve with weights dequantized to fp32 (`--quantization none`), int8 and int4 (the
-  GGUF's own Q4_1 blocks), and llama.cpp (llama-cpp-python on the same GGUF, n_threads the same) when
+  GGUF's own Q4_1 blocks), int4 again with `--compile-decode` (its compile time at startup shown), and
+  llama.cpp (llama-cpp-python on the same GGUF, n_threads the same) when
   it can be imported; otherwise llama.cpp's figures recorded on this machine kind are shown, marked so.
 - bound: the tokens per second that memory bandwidth allows if every step reads the weights once
   (batch 1: bytes of the weights read per token + that step's KV; 16 streams: the same bytes buy 16
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench decode") 
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"])
+    ap.add_argument("--compiled", nargs="*", default=["int4"], help="quantizations also run with --compile-decode")
     ap.set_defaults(threads=2)
     args = ap.parse_args(argv)
     if args.quick:
@@ -135,8 +137,12 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench decode") 
     bw = bandwidth_gb_s()
     rows: list[dict[str, Any]] = []
     model_path = None
-    for q in tqdm(args.quantizations, desc="decode"):
-        llm = LLM(args.model, quantization=q, max_model_len=1024, num_kv_blocks=2048, max_num_seqs=16)
+    configs = [(q, False) for q in args.quantizations] + [(q, True) for q in args.compiled]
+    for q, compiled in tqdm(configs, desc="decode"):
+        t = time.perf_counter()
+        llm = LLM(args.model, quantization=q, max_model_len=1024, num_kv_blocks=2048, max_num_seqs=16,
+                  compile_decode=compiled)
+        start_s = time.perf_counter() - t
         model_path = str(llm.engine.core.loaded.path)
         prompts = prompts_of(llm.tokenizer, 16)
         ours(llm, prompts, 4, 1)                                     # warm-up
@@ -147,10 +153,11 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench decode") 
         ctx = statistics.mean(len(p) for p in prompts) + args.output_len / 2
         bound1 = bw * 1e9 / (wb + kv_token * ctx)
         bound16 = 16 * bw * 1e9 / (wb + 16 * kv_token * ctx)
-        rows.append({"name": f"prefixserve, {q}", "weights_mb": wb / 1e6, **got, "bound1": bound1,
-                     "bound16": bound16})
+        rows.append({"name": f"prefixserve, {q}{', compiled' if compiled else ''}", "weights_mb": wb / 1e6, **got,
+                     "bound1": bound1, "bound16": bound16, "start_s": start_s})
         del llm
-    peer = llama_cpp(args.model or str(default_model_path()), prompts, args.output_len, args.rounds, args.threads)
+    gguf = args.model or str(default_model_path())
+    peer = llama_cpp(gguf, prompts, args.output_len, args.rounds, args.threads) if gguf.endswith(".gguf") else None
     recorded = peer is None
     peer = peer or dict(LLAMA_CPP_RECORDED)
     best = max(rows, key=lambda r: r["batch1_tok_s"])
@@ -159,22 +166,23 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench decode") 
               "streams16_vs_llama_cpp": max(r["streams16_tok_s"] for r in rows) / peer["streams16_tok_s"],
               "best": best["name"], "best_of_bound_batch1": best["batch1_tok_s"] / best["bound1"]}
     lines = ["| engine | weights read per step | batch 1 tok/s | bound | of bound | 16 streams tok/s | bound | "
-             "of bound |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "of bound | start |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['weights_mb']:.0f} MB | {r['batch1_tok_s']:.1f} | {r['bound1']:.0f} | "
                      f"{r['batch1_tok_s'] / r['bound1']:.2f} | {r['streams16_tok_s']:.1f} | {r['bound16']:.0f} | "
-                     f"{r['streams16_tok_s'] / r['bound16']:.2f} |")
+                     f"{r['streams16_tok_s'] / r['bound16']:.2f} | {r['start_s']:.1f} s |")
     lines.append(f"| llama.cpp{' (recorded, not run here)' if recorded else ''} | | {peer['batch1_tok_s']:.1f} | | | "
-                 f"{peer['streams16_tok_s']:.1f} (one at a time) | | |")
+                 f"{peer['streams16_tok_s']:.1f} (one at a time) | | | |")
     table = "\n".join(lines) + (
         f"\n\nBest batch 1 ({best['name']}) / llama.cpp: **{result['batch1_vs_llama_cpp']:.2f}x**; best 16 streams / "
         f"llama.cpp's one-at-a-time server: **{result['streams16_vs_llama_cpp']:.2f}x**. Copy bandwidth "
         f"{bw:.1f} GB/s; bound = bandwidth / (weight bytes + KV bytes read per step). {args.output_len} output "
-        f"tokens, {args.rounds} batch-1 requests (median), 16 chat prompts, {args.threads} threads. Model: "
+        f"tokens, {args.rounds} batch-1 requests (median), 16 chat prompts, {args.threads} threads; start: the "
+        f"engine's construction (load, quantize, compile). Model: "
         f"{Path(model_path or '').name}.")
     fig, (ax,) = new_figure()
-    names = [r["name"].removeprefix("prefixserve, ") for r in rows] + ["llama.cpp"]
+    names = [r["name"].removeprefix("prefixserve, ").replace(", compiled", "\ncompiled") for r in rows] + ["llama.cpp"]
     xs = range(len(names))
     ax.bar([x - 0.2 for x in xs], [r["batch1_tok_s"] for r in rows] + [peer["batch1_tok_s"]], 0.4, label="batch 1")
     ax.bar([x + 0.2 for x in xs], [r["streams16_tok_s"] for r in rows] + [peer["streams16_tok_s"]], 0.4,

@@ -46,6 +46,8 @@ class EngineConfig:
                            KV_BACKENDS)
     map_ahead_tokens: int = knob(4, "vattention: a decoding request gets its next page this many tokens before it "
                                     "needs it, mapped by a background thread during a forward pass (0: never ahead)")
+    compile_decode: bool = knob(False, "torch.compile the decode step (one graph per batch bucket 1-32, compiled at "
+                                       "startup; prefill and larger batches stay eager; CPU only for now)")
     enable_prefix_caching: bool = knob(True, "share full KV blocks between requests with the same prefix")
     pinned_fraction: float = knob(0.5, "cap on pinned (registered-prefix) blocks, as a share of all blocks")
     torch_threads: int | None = knob(None, "torch intra-op threads (serve / generate default: the cores this "
@@ -73,6 +75,8 @@ class EngineConfig:
              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"),
             (self.kv_backend in KV_BACKENDS, f"kv_backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}"),
             (self.map_ahead_tokens >= 0, "map_ahead_tokens must be >= 0"),
+            (not self.compile_decode or self.device == "cpu",
+             "compile_decode runs on the CPU only for now (CUDA graphs are not built yet)"),
             (self.chat_template is None or "{{" in self.chat_template or "{%" in self.chat_template
              or Path(self.chat_template).expanduser().is_file(),
              f"chat_template {self.chat_template!r} is neither a file nor a Jinja template"),

@@ -127,6 +127,9 @@ class EngineCore:
                                     self.vattention.slots if self.vattention is not None else None)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.kv_cache, attention, config.device)
+        if config.compile_decode:
+            took = self.runner.compile_decode(config.max_num_seqs)
+            log.info("decode step compiled for batch buckets 1-%d in %.1f s", min(config.max_num_seqs, 32), took)
         self.sampler = Sampler()
         self.forks = Forks(self.manager, self.scheduler, self.new_seq, self.finish_seq)
         self.requests: dict[str, SequenceGroup] = {}

@@ -7,15 +7,19 @@ Per step the runner builds, with numpy rather than per-token Python loops:
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine.compiled_decode import CompiledDecode
 from engine.kv_cache import KVStore
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledSeq
 from kernels import Attention, AttentionMetadata
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,6 +35,19 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = torch.device(device)
+        self.compiled: CompiledDecode | None = None      # set by compile_decode()
+
+    def compile_decode(self, max_num_seqs: int) -> float:
+        """Compiles the decode step for every batch bucket; the seconds it took. A failure leaves the
+        runner eager (logged, and kept in `compiled.failed`)."""
+        self.compiled = CompiledDecode(self.model, max_num_seqs)
+        key, value = self.kv_cache.layers()
+        try:
+            return self.compiled.warm_up(key, value, self.backend)
+        except Exception as exc:  # noqa: BLE001 - whatever the compiler raises, eager still serves
+            log.exception("compiling the decode step failed; decoding eagerly")
+            self.compiled.failed = f"{type(exc).__name__}: {exc}"
+            return 0.0
 
     def prepare(self, batch: list[ScheduledSeq], block_tables: list[list[int]]) -> tuple[
             torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -73,7 +90,15 @@ class ModelRunner:
         self.kv_cache.copy_blocks(copies)
         input_ids, positions, md, logits_indices = self.prepare(batch, block_tables)
         key, value = self.kv_cache.layers()
-        hidden = self.model(input_ids, positions, key, value, md, self.backend)
+        hidden = None
+        if self.compiled is not None and self.compiled.fits(md):
+            try:
+                hidden = self.compiled(input_ids, positions, key, value, md, self.backend)
+            except Exception as exc:  # noqa: BLE001 - rerun eagerly: the K/V rows it wrote are rewritten the same
+                log.exception("the compiled decode step failed; decoding eagerly from now on")
+                self.compiled.failed = f"{type(exc).__name__}: {exc}"
+        if hidden is None:
+            hidden = self.model(input_ids, positions, key, value, md, self.backend)
         extra = None
         if extra_rows:
             extra = self.model.compute_logits(hidden[torch.tensor(extra_rows, dtype=torch.long, device=self.device)])

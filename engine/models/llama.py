@@ -7,7 +7,9 @@ attention reaches the past through the KV cache's block tables (kernels.Attentio
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +20,10 @@ from kernels import AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# attend(q [T, H, D] rotated, k [T, Hkv, D] rotated, v [T, Hkv, D]) -> [T, H, D]: stores this step's K/V in
+# the layer's cache, then attends over the cache (eager: the backend; compiled decode: one custom op).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -144,17 +150,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
         self.scale = args.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, md: AttentionMetadata, backend: AttentionOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         # x: [T, hidden]
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        backend.write_kv(key_cache, value_cache, k, v, md)
-        out = backend.forward(q.contiguous(), key_cache, value_cache, md, self.scale)  # [T, H, D]
+        out = attend(q, k, v)                                                  # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))
+
+
+def backend_attend(backend: AttentionOps, md: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The eager Attend: the backend writes this step's K/V, then attends."""
+    backend.write_kv(key_cache, value_cache, k, v, md)
+    return backend.forward(q.contiguous(), key_cache, value_cache, md, scale)
 
 
 class MLP(nn.Module):
@@ -177,9 +188,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, md: AttentionMetadata, backend: AttentionOps) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, key_cache, value_cache, md, backend)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -189,6 +199,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
+        self.scale = args.head_dim ** -0.5          # attention's softmax scale, every layer's
         # NOTE: weights are loaded after construction; an explicit (empty) weight skips the random init,
         # which for a large vocabulary takes seconds even on the meta device.
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
@@ -206,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, key_caches[i], value_caches[i], md, backend)
+            x = layer(x, cos, sin, partial(backend_attend, backend, md, key_caches[i], value_caches[i], self.scale))
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

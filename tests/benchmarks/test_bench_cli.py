@@ -212,3 +212,16 @@ def test_vattention_bench_on_a_tiny_checkpoint(tiny_llama_dir: Path, tmp_path: P
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 46), (3, 46)]
     assert all(r["ahead_maps"] > 0 for r in rows)          # each decode crossed into a new page (position 48)
     assert (tmp_path / "vattention.png").stat().st_size > 0
+
+
+def test_decode_bench_on_a_tiny_checkpoint(tiny_llama_dir: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["decode", "--model", str(tiny_llama_dir), "--quantizations", "none", "--compiled", "none",
+                   "--output-len", "4", "--rounds", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    res = result_line(capsys.readouterr().out)
+    assert res["llama_cpp_recorded"] and res["batch1_vs_llama_cpp"] > 0     # no GGUF: llama.cpp's recorded figures
+    rows = json.loads((tmp_path / "decode.json").read_text())["result"]["rows"]
+    assert [r["name"] for r in rows] == ["prefixserve, none", "prefixserve, none, compiled"]
+    assert all(r["batch1_tok_s"] > 0 and r["streams16_tok_s"] > 0 and r["start_s"] > 0 for r in rows)
+    assert "| prefixserve, none, compiled |" in (tmp_path / "decode.md").read_text()
