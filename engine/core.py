@@ -129,7 +129,8 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, self.kv_cache, attention, config.device)
         if config.compile_decode:
             took = self.runner.compile_decode(config.max_num_seqs)
-            log.info("decode step compiled for batch buckets 1-%d in %.1f s", min(config.max_num_seqs, 32), took)
+            if self.runner.compiled is not None and self.runner.compiled.failed is None:
+                log.info("decode step compiled for batch buckets %s in %.1f s", self.runner.compiled.buckets, took)
         self.sampler = Sampler()
         self.forks = Forks(self.manager, self.scheduler, self.new_seq, self.finish_seq)
         self.requests: dict[str, SequenceGroup] = {}

@@ -45,8 +45,8 @@ class ModelRunner:
         try:
             return self.compiled.warm_up(key, value, self.backend)
         except Exception as exc:  # noqa: BLE001 - whatever the compiler raises, eager still serves
-            log.exception("compiling the decode step failed; decoding eagerly")
             self.compiled.failed = f"{type(exc).__name__}: {exc}"
+            log.error("compiling the decode step failed; decoding eagerly: %s", self.compiled.failed, exc_info=True)
             return 0.0
 
     def prepare(self, batch: list[ScheduledSeq], block_tables: list[list[int]]) -> tuple[
@@ -95,8 +95,9 @@ class ModelRunner:
             try:
                 hidden = self.compiled(input_ids, positions, key, value, md, self.backend)
             except Exception as exc:  # noqa: BLE001 - rerun eagerly: the K/V rows it wrote are rewritten the same
-                log.exception("the compiled decode step failed; decoding eagerly from now on")
                 self.compiled.failed = f"{type(exc).__name__}: {exc}"
+                log.error("the compiled decode step failed; decoding eagerly from now on: %s", self.compiled.failed,
+                          exc_info=True)
         if hidden is None:
             hidden = self.model(input_ids, positions, key, value, md, self.backend)
         extra = None
