@@ -10,12 +10,11 @@ WORKDIR /app
 # torch first, from the pinned spec: an open `torch` requirement would pull the CUDA packages
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install "$TORCH_SPEC" --index-url "$TORCH_INDEX_URL"; \
     else pip install "$TORCH_SPEC"; fi
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md cli.py ./
 COPY engine ./engine
 COPY kernels ./kernels
 COPY service ./service
 COPY prefix_store ./prefix_store
-COPY benchmarks ./benchmarks
 RUN pip install .
 
 EXPOSE 8000

@@ -10,7 +10,7 @@ is the only bound). A request's prompt KV is written in the step that admits it 
 first token); each later step writes the previous token's KV and samples one more, so a request with
 output length o runs o steps, holding prompt .. prompt + o - 1 tokens, then frees its memory.
 
-- paged: engine.block_manager.BlockManager over engine.block_pool.BlockPool (the engine's own
+- paged: engine.kv.block_manager.BlockManager over engine.kv.block_pool.BlockPool (the engine's own
   allocator), block size 16; blocks are taken on demand, one more each time a sequence crosses a block
   boundary; when a growing sequence finds no free block the youngest running one is preempted (its
   blocks freed, requeued at the front), as engine/scheduler.py does.
@@ -47,8 +47,8 @@ from benchmarks.common import (
     sharegpt_like_lengths,
     write_results,
 )
-from engine.block_manager import BlockManager, PrefixHit
-from engine.block_pool import BlockPool
+from engine.kv.block_manager import BlockManager, PrefixHit
+from engine.kv.block_pool import BlockPool
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 2048

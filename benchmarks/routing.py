@@ -52,7 +52,7 @@ class Request:
 
 
 def make_workload(args: argparse.Namespace, tokenizer: Any) -> tuple[list[str], list[Request]]:
-    from engine.models.random_checkpoint import demo_corpus
+    from tests.helpers.random_checkpoint import demo_corpus
     rng = random.Random(args.seed)
     lines = demo_corpus(4000, seed=args.seed)
 

@@ -54,7 +54,7 @@ def percentile(xs: list[float], p: float) -> float:
 
 
 def make_prompts(tokenizer, n: int, input_len: int, seed: int) -> list[list[int]]:
-    from engine.models.random_checkpoint import demo_corpus
+    from tests.helpers.random_checkpoint import demo_corpus
     rng = random.Random(seed)
     lines = demo_corpus(2000, seed=seed)
     prompts = []

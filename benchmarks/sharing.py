@@ -47,7 +47,7 @@ from benchmarks.common import (
     sharegpt_like_lengths,
     write_results,
 )
-from engine.block_manager import BlockManager, SeqBlocks
+from engine.kv.block_manager import BlockManager, SeqBlocks
 
 PAPER = {"parallel": (0.061, 0.098), "beam": (0.376, 0.552)}
 

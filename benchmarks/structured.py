@@ -31,7 +31,7 @@ from benchmarks.common import (
     write_results,
 )
 from engine import LLM, SamplingParams
-from engine.structured import StructuredSpec
+from engine.sample.structured import StructuredSpec
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},

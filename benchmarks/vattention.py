@@ -35,7 +35,7 @@ from benchmarks.common import (
     write_results,
 )
 from engine import LLM, SamplingParams
-from engine.vmm import HostVirtualMemory
+from engine.kv.backends.vattention.vmm import HostVirtualMemory
 
 BACKENDS = ("paged", "vattention")
 

@@ -20,27 +20,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import logits_processors
-from engine.block_manager import BlockManager
-from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.errors import CapacityExceeded, EngineError, InvalidRequest, QueueFull
-from engine.forks import Forks
-from engine.kv_cache import KVCache, KVStore
-from engine.kv_event_publisher import ZmqEventPublisher
-from engine.kv_events import KVEventQueue, KVEventsConfig
-from engine.logits_processors import RowContext
-from engine.model_runner import ModelRunner
+from engine.kv.backends.paged.cache import KVCache, KVStore
+from engine.kv.backends.vattention.cache import VAttentionCache, VAttentionStats, page_block_size
+from engine.kv.block_manager import BlockManager
+from engine.kv.block_pool import BlockPool
+from engine.kv.event_publisher import ZmqEventPublisher
+from engine.kv.events import KVEventQueue, KVEventsConfig
 from engine.models.chat_template import override_chat_template, read_chat_template
 from engine.models.default import NAME as DEFAULT_NAME
 from engine.models.default import default_model_path
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import RequestTimes
-from engine.sampler import Sampler, SamplerOutput, make_generator
-from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sample import logits_processors
+from engine.sample.logits_processors import RowContext
+from engine.sample.sampler import Sampler, SamplerOutput, make_generator
+from engine.sample.structured import Grammars
+from engine.sched.forks import Forks
+from engine.sched.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import EngineRequest, SamplingParams, Sequence, SequenceGroup
-from engine.structured import Grammars
-from engine.vattention import VAttentionCache, VAttentionStats, page_block_size
+from engine.worker.model_runner import ModelRunner
 from kernels import Attention, get_backend, get_contiguous_backend
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ from engine.config import EngineConfig
 from engine.core import EngineCore, EngineStats
 from engine.errors import EngineError
 from engine.models.loader import LoadedModel
-from engine.output_processor import OutputProcessor
+from engine.output.processor import OutputProcessor
 from engine.outputs import PinnedPrefix, RequestOutput
-from engine.pinning import PinJob, PinStateMachine
+from engine.sched.pinning import PinJob, PinStateMachine
 from engine.sequence import EngineRequest, SamplingParams, SequenceGroup
 
 

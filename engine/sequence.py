@@ -11,9 +11,9 @@ from engine.errors import EngineError, InvalidRequest
 if TYPE_CHECKING:
     import torch
 
-    from engine.beam_search import BeamSearch
     from engine.outputs import RequestTimes
-    from engine.structured import StructuredSpec
+    from engine.sample.structured import StructuredSpec
+    from engine.sched.beam_search import BeamSearch
 
 
 GREEDY_TEMPERATURE = 1e-5

@@ -17,24 +17,13 @@ from aiohttp import web
 
 from engine.config import EngineConfig
 from prefix_store import MemoryPrefixStore, PrefixStore, StoreUnavailable
-from service import (
-    access_log,
-    auth,
-    chat,
-    completions,
-    cross_site,
-    openapi,
-    prefixes,
-    security_headers,
-    status,
-    tokens,
-    websocket,
-    worker_api,
-)
+from prefix_store.registry import PrefixRegistry
 from service.config import ServiceConfig
 from service.errors import error_middleware
-from service.metrics import METRICS, Metrics, metrics_middleware
-from service.registry import PrefixRegistry
+from service.middleware import access_log, auth, cross_site, security_headers
+from service.middleware.metrics import METRICS, Metrics, metrics_middleware
+from service.openai import chat, completions
+from service.routes import openapi, prefixes, status, tokens, websocket, worker_api
 from service.state import STATE, ServiceState
 
 if TYPE_CHECKING:

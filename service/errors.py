@@ -10,7 +10,7 @@ from aiohttp import web
 
 from engine.errors import CapacityExceeded, EngineDead, EngineError, InvalidRequest, PinCapExceeded, QueueFull
 from prefix_store import PrefixConflict, StoreUnavailable
-from service.registry_errors import InvalidPrefix, PrefixNotFound, RegistryError, RegistryFull
+from prefix_store.errors import InvalidPrefix, PrefixNotFound, RegistryError, RegistryFull
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ from aiohttp import web
 
 from service.config import ServiceConfig
 from service.errors import ApiError
-from service.logprobs import TokenText
-from service.prepare import tokenizer_executor
+from service.openai.logprobs import TokenText
+from service.openai.pipeline import tokenizer_executor
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
-    from service.registry import PrefixRegistry
+    from prefix_store.registry import PrefixRegistry
 
 
 @dataclass

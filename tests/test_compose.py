@@ -8,8 +8,8 @@ from pathlib import Path
 
 import redis as redis_py
 
-from engine.kv_events import KVEventsConfig
-from service.cli import parser
+from cli import parser
+from engine.kv.events import KVEventsConfig
 from tests.helpers.compose_cluster import Cluster, compose, engine_args, interpolate
 from tests.helpers.router_process import ENTRYPOINT, ReplicaPorts
 from tests.helpers.server import ROOT, http

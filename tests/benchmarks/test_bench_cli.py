@@ -9,8 +9,8 @@ import pytest
 
 from benchmarks import cli, memory, prefix, sharing
 from benchmarks.common import median_ratio, random_prompts
-from engine.block_manager import BlockManager, PrefixHit
-from engine.block_pool import BlockPool
+from engine.kv.block_manager import BlockManager, PrefixHit
+from engine.kv.block_pool import BlockPool
 
 
 def result_line(out: str) -> dict:

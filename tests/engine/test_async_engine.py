@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from engine import AsyncEngine, EngineConfig, InvalidRequest, PinCapExceeded, SamplingParams
-from engine.block_manager import BlockManager
-from engine.block_pool import BlockPool
 from engine.errors import EngineError
+from engine.kv.block_manager import BlockManager
+from engine.kv.block_pool import BlockPool
 from engine.outputs import RequestOutput
-from engine.scheduler import Scheduler
+from engine.sched.scheduler import Scheduler
 
 
 def toks(n: int, seed: int) -> list[int]:
@@ -253,7 +253,7 @@ async def test_a_request_squeezed_out_by_pins_fails_with_a_capacity_error_after_
 
 def test_a_failure_in_one_requests_output_stage_fails_only_that_request(tiny_llama_dir: Path) -> None:
     from engine.llm_engine import LLMEngine
-    from engine.output_processor import OutputProcessor
+    from engine.output.processor import OutputProcessor
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
     real = OutputProcessor._token
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.models.random_checkpoint import build_checkpoint, demo_corpus
+from tests.helpers.random_checkpoint import build_checkpoint, demo_corpus
 
 # Large initializer_range so greedy logits are far apart (no argmax ties between implementations).
 TINY = {

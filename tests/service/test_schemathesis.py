@@ -14,7 +14,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import worker_api
+from service.routes import worker_api
 from tests.helpers.server import ServerThread, tiny_config
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"

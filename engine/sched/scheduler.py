@@ -1,0 +1,176 @@
+"""Iteration-level (continuous) batching with chunked prefill and preemption by recompute.
+
+Each step, in this order, under the budgets `max_num_seqs` and `max_num_batched_tokens`:
+  1. running decodes (one token each, oldest first). A decode that cannot get a block preempts the
+     youngest running sequence (its blocks freed, requeued at the front of `waiting`);
+  2. running sequences still in a chunked prefill, with the tokens left in the budget (a smaller chunk
+     when blocks are short; with no block at all, the youngest running sequence is preempted);
+  3. waiting sequences, first come first served: their prompt is looked up in the prefix cache and
+     only the rest is scheduled (a chunk of it if the budget is short).
+A sequence samples a token in a step iff that step's chunk reaches its last token.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv.block_manager import BlockManager, PrefixHit
+from engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int        # tokens computed this step, starting at seq.num_computed
+    sample: bool        # the chunk reaches the sequence's last token
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)     # can never fit the cache: finished with an error
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies (src, dst)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []          # kept sorted by arrival (oldest first)
+        self.num_preemptions = 0
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.watermark = manager.pool.num_blocks_total // 100
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (its blocks already shared through the block manager)."""
+        seq.status = Status.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.manager.free(seq.seq_id)
+        seq.status = Status.FINISHED
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        # 1. decodes, oldest first; out of blocks -> preempt the youngest not yet scheduled.
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING or seq.num_tokens - seq.num_computed != 1:
+                continue
+            while not self.manager.grow(seq.seq_id, seq.num_computed + 1, write_from=seq.num_computed):
+                victim = self._youngest_unscheduled(scheduled_ids)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                out.scheduled.append(ScheduledSeq(seq, 1, True))
+                scheduled_ids.add(seq.seq_id)
+                budget -= 1
+
+        # 2. running sequences in the middle of a chunked prefill.
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.seq_id in scheduled_ids or seq.status is not Status.RUNNING or seq.num_tokens == seq.num_computed:
+                continue  # (a beam whose logits wait for its siblings has nothing to compute)
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            # Short of blocks: a smaller chunk; no room at all: preempt the youngest (maybe this one),
+            # or sequences mid-prefill could hold each other's memory forever.
+            while (room := self.manager.growable_tokens(seq.seq_id, seq.num_computed) - seq.num_computed) <= 0:
+                victim = self._youngest_unscheduled(scheduled_ids)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            num_new = min(num_new, room)
+            assert self.manager.grow(seq.seq_id, seq.num_computed + num_new, write_from=seq.num_computed)
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed + num_new == seq.num_tokens))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+
+        # 3. waiting sequences, FCFS: the head blocks the rest (no overtaking). Not in a step that
+        #    had to preempt: memory is short, admitting more would only thrash.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            if self.manager.enable_prefix_caching:
+                seq.block_hashes = self.manager.block_hashes(seq.token_ids, seq.block_hashes)
+            # prompt log-probabilities need every prompt position computed: no prefix-cache hit then
+            hit = self.manager.lookup(seq.token_ids, seq.block_hashes) if seq.params.prompt_logprobs is None \
+                else PrefixHit((), 0)
+            num_new = min(seq.num_tokens - hit.num_tokens, budget)
+            # keep a small watermark of free blocks for running decodes, so admissions do not thrash
+            if (self.running and self.manager.blocks_needed(seq.seq_id, hit.num_tokens + num_new, hit)
+                    > self.manager.pool.num_free - self.watermark) or \
+                    not self.manager.allocate(seq.seq_id, seq.token_ids, hit, hit.num_tokens + num_new):
+                if not self.running and not out.scheduled:
+                    # Nothing runs that could free blocks: this one can never fit.
+                    self.waiting.popleft()
+                    self.manager.free(seq.seq_id)
+                    out.failed.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            seq.num_computed = hit.num_tokens
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = hit.num_tokens
+                self.prefix_queried_tokens += seq.num_prompt_tokens
+                self.prefix_hit_tokens += hit.num_tokens
+            seq.status = Status.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed + num_new == seq.num_tokens))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+
+        out.copies = self.manager.pending_copies
+        self.manager.pending_copies = []
+        return out
+
+    def _youngest_unscheduled(self, scheduled_ids: set[int]) -> Sequence:
+        for seq in reversed(self.running):
+            if seq.seq_id not in scheduled_ids:
+                return seq
+        raise AssertionError("a sequence being scheduled is always unscheduled")
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preemption by recompute: free every block; prompt + output so far is recomputed later
+        (much of it will hit the prefix cache, since freed blocks keep their hashes)."""
+        self.running.remove(seq)
+        self.manager.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After the forward pass: the scheduled tokens are now in the cache."""
+        for s in out.scheduled:
+            s.seq.num_computed += s.num_new
+            self.manager.commit(s.seq.seq_id, s.seq.token_ids, s.seq.num_computed)

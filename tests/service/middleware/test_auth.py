@@ -1,0 +1,195 @@
+"""API and admin keys on a real server: every route but /health and the page's files needs a key
+(checked over the app's own route table, so a new endpoint is covered the day it is added), the
+OpenAI error shape on 401/403, the official client, the WebSocket by header and by subprotocol,
+admin-only registry writes and source text, /metrics, and the flags."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+import requests
+
+from cli import config_from, parser
+from tests.helpers.server import ServerThread, tiny_config
+
+USER, USER2, ADMIN = "user-key-1", "user.key_2", "admin-key-9"
+PREFIX = "You are a terse assistant. Answer in one word, then stop. " * 3
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_llama_dir: Path) -> Iterator[ServerThread]:
+    s = ServerThread(tiny_config(tiny_llama_dir, api_key=(USER, USER2), admin_key=(ADMIN,))).start()
+    yield s
+    s.stop()
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def assert_401(resp: requests.Response) -> None:
+    assert resp.status_code == 401, (resp.request.method, resp.url, resp.status_code, resp.text)
+    assert resp.headers["WWW-Authenticate"] == "Bearer"
+    assert resp.headers["Content-Type"].startswith("application/json")
+    if resp.request.method == "HEAD":
+        return
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
+
+
+def test_every_route_but_health_and_page_needs_a_key(srv: ServerThread) -> None:
+    routes = {(r.method, r.resource.canonical) for r in srv.app.router.routes() if r.resource is not None}
+    open_routes = {(m, p) for m, p in routes if p in ("/health", "/", "/static")}
+    assert {("GET", "/health"), ("GET", "/"), ("GET", "/static")} <= open_routes
+    guarded = sorted(routes - open_routes)
+    assert ("GET", "/metrics") in guarded and ("POST", "/v1/completions") in guarded and len(guarded) >= 10
+    for method, path in guarded + [("GET", "/no/such/route")]:
+        url = srv.url + path.replace("{name}", "some-name")
+        kwargs = {"json": {}} if method == "POST" else {}
+        assert_401(requests.request(method, url, timeout=10, **kwargs))
+        assert_401(requests.request(method, url, headers=bearer("wrong-key"), timeout=10, **kwargs))
+        assert_401(requests.request(method, url, headers={"Authorization": USER}, timeout=10, **kwargs))  # no scheme
+        resp = requests.request(method, url, headers=bearer(USER), timeout=10, **kwargs)
+        assert resp.status_code != 401, (method, path)
+    assert requests.get(f"{srv.url}/health", timeout=10).json()["status"] == "ok"
+    assert b"<script src=" in requests.get(f"{srv.url}/", timeout=10).content
+    assert requests.get(f"{srv.url}/static/demo.js", timeout=10).status_code == 200
+
+
+def test_official_client(srv: ServerThread) -> None:
+    model = srv.state.model_name
+    with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sk-wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError) as info:
+            bad.completions.create(model=model, prompt="hi", max_tokens=2)
+    assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+    for key in (USER, USER2, ADMIN):          # an admin key is an API key too
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0) as good:
+            out = good.completions.create(model=model, prompt="hi", max_tokens=3, temperature=0, extra_body={
+                "ignore_eos": True})
+            assert out.usage is not None and out.usage.completion_tokens == 3
+            chunks = list(good.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=3, stream=True))
+            assert chunks and chunks[-1].choices[0].finish_reason is not None
+
+
+async def _ws_generate(srv: ServerThread, **connect: object) -> tuple[str | None, list[dict]]:
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"{srv.url}/v1/ws", **connect) as ws:  # type: ignore[arg-type]
+        await ws.send_json({"type": "generate", "id": 1, "prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+        frames = []
+        async for msg in ws:
+            frames.append(msg.json())
+            if frames[-1]["type"] in ("done", "error"):
+                break
+        return ws.protocol, frames
+
+
+async def _ws_refused(srv: ServerThread, **connect: object) -> int:
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as info:
+            await s.ws_connect(f"{srv.url}/v1/ws", **connect)  # type: ignore[arg-type]
+    return info.value.status
+
+
+def test_websocket_authenticates_at_the_upgrade(srv: ServerThread) -> None:
+    async def run() -> None:
+        assert await _ws_refused(srv) == 401
+        assert await _ws_refused(srv, headers=bearer("nope")) == 401
+        assert await _ws_refused(srv, protocols=("prefixserve", "openai-insecure-api-key.nope")) == 401
+        assert await _ws_refused(srv, protocols=("prefixserve", "openai-insecure-api-key.")) == 401
+        protocol, frames = await _ws_generate(srv, headers=bearer(USER))
+        assert protocol is None and frames[-1]["type"] == "done" and frames[-1]["usage"]["completion_tokens"] == 3
+        # a browser's way: the key as a subprotocol; the server selects "prefixserve", never the key
+        protocol, frames = await _ws_generate(srv, protocols=("prefixserve", f"openai-insecure-api-key.{USER2}"))
+        assert protocol == "prefixserve" and frames[-1]["type"] == "done"
+    asyncio.run(run())
+
+
+def test_websocket_handshake_never_echoes_the_key(srv: ServerThread) -> None:
+    """The raw 101: Sec-WebSocket-Protocol carries only the selected non-secret protocol."""
+    resp = requests.get(f"{srv.url}/v1/ws", timeout=10, stream=True, headers={
+        "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+        "Sec-WebSocket-Protocol": f"openai-insecure-api-key.{USER}, prefixserve"})
+    try:
+        assert resp.status_code == 101
+        assert resp.headers["Sec-WebSocket-Protocol"] == "prefixserve"
+        assert USER not in str(resp.headers)
+    finally:
+        resp.close()
+
+
+def test_registry_writes_and_source_need_an_admin_key(srv: ServerThread) -> None:
+    body = {"name": "terse", "prompt": PREFIX}
+    resp = requests.post(f"{srv.url}/v1/prefixes", json=body, headers=bearer(USER), timeout=30)
+    assert resp.status_code == 403 and resp.json()["error"]["type"] == "permission_error"
+    assert resp.json()["error"]["code"] == "admin_key_required"
+    assert_401(requests.post(f"{srv.url}/v1/prefixes", json=body, timeout=30))
+    resp = requests.post(f"{srv.url}/v1/prefixes", json=body, headers=bearer(ADMIN), timeout=30)
+    assert resp.status_code == 201 and resp.json()["source"] == {"prompt": PREFIX}
+    try:
+        user_list = requests.get(f"{srv.url}/v1/prefixes", headers=bearer(USER), timeout=10).json()["data"]
+        admin_list = requests.get(f"{srv.url}/v1/prefixes", headers=bearer(ADMIN), timeout=10).json()["data"]
+        assert [p["source"] for p in user_list] == [None] and admin_list[0]["source"] == {"prompt": PREFIX}
+        assert user_list[0]["num_tokens"] == admin_list[0]["num_tokens"] > 0      # the rest is visible
+        assert PREFIX[:20] not in requests.get(f"{srv.url}/v1/prefixes/terse", headers=bearer(USER), timeout=10).text
+        one = requests.get(f"{srv.url}/v1/prefixes/terse", headers=bearer(ADMIN), timeout=10).json()
+        assert one["source"] == {"prompt": PREFIX}
+        # users may still generate with the prefix
+        resp = requests.post(f"{srv.url}/v1/completions", headers=bearer(USER), timeout=30, json={
+            "prompt": " Hi?", "prefix": "terse", "max_tokens": 2})
+        assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        resp = requests.delete(f"{srv.url}/v1/prefixes/terse", headers=bearer(USER), timeout=10)
+        assert resp.status_code == 403
+    finally:
+        assert requests.delete(f"{srv.url}/v1/prefixes/terse", headers=bearer(ADMIN), timeout=10).status_code == 200
+
+
+def test_metrics_may_be_left_open_and_without_admin_keys_a_key_does_all(tiny_llama_dir: Path,
+                                                                          srv: ServerThread) -> None:
+    assert_401(requests.get(f"{srv.url}/metrics", timeout=10))
+    assert "vllm:num_requests_running" in requests.get(f"{srv.url}/metrics", headers=bearer(USER), timeout=10).text
+    other = ServerThread(tiny_config(tiny_llama_dir, api_key=(USER,), metrics_require_key=False)).start()
+    try:
+        assert requests.get(f"{other.url}/metrics", timeout=10).status_code == 200
+        assert_401(requests.get(f"{other.url}/v1/models", timeout=10))
+        assert_401(requests.post(f"{other.url}/v1/prefixes", json={"name": "p", "prompt": PREFIX}, timeout=30))
+        resp = requests.post(f"{other.url}/v1/prefixes", json={"name": "p", "prompt": PREFIX}, timeout=30,
+                             headers=bearer(USER))
+        assert resp.status_code == 201, resp.text
+        listing = requests.get(f"{other.url}/v1/prefixes", headers=bearer(USER), timeout=10).json()["data"]
+        assert listing[0]["source"] == {"prompt": PREFIX}
+        assert requests.delete(f"{other.url}/v1/prefixes/p", headers=bearer(USER), timeout=10).status_code == 200
+    finally:
+        other.stop()
+
+
+def test_keys_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = config_from(parser().parse_args(["serve", "--api-key", "a1, b2,", "--admin-key", "root"]))
+    assert cfg.api_key == ("a1", "b2") and cfg.admin_key == ("root",) and cfg.metrics_require_key
+    monkeypatch.setenv("PREFIXSERVE_API_KEY", "k1,k2")
+    monkeypatch.setenv("PREFIXSERVE_METRICS_REQUIRE_KEY", "false")
+    cfg = config_from(parser().parse_args(["serve"]))
+    assert cfg.api_key == ("k1", "k2") and cfg.admin_key == () and not cfg.metrics_require_key
+    monkeypatch.setenv("PREFIXSERVE_API_KEY", "has space")
+    from cli import main
+    with pytest.raises(SystemExit) as info:
+        main(["serve"])
+    assert "api_key" in str(info.value) and "has space" not in str(info.value)   # a key is never echoed
+
+
+def test_role_table() -> None:
+    """The table in service/auth.py's docstring, row by row (the servers above exercise it end to end)."""
+    from service.config import ServiceConfig
+    from service.middleware.auth import Keys
+    none, both = Keys(ServiceConfig()), Keys(ServiceConfig(api_key=("u",), admin_key=("a",)))
+    api_only, admin_only = Keys(ServiceConfig(api_key=("u",))), Keys(ServiceConfig(admin_key=("a",)))
+    assert [none.role(k) for k in (None, "x")] == ["admin", "admin"]
+    assert [both.role(k) for k in (None, "x", "u", "a")] == [None, None, "user", "admin"]
+    assert [api_only.role(k) for k in (None, "x", "u")] == [None, None, "admin"]
+    assert [admin_only.role(k) for k in (None, "x", "a")] == ["anonymous", "anonymous", "admin"]
+    assert admin_only.needs_admin("POST", "/v1/prefixes") and not api_only.needs_admin("POST", "/v1/prefixes")
+    assert not both.needs_admin("POST", "/v1/completions") and both.needs_admin("DELETE", "/v1/prefixes/{name}")

@@ -1,0 +1,74 @@
+"""The tool-call parsers and schemas, on strings: Hermes / Qwen2.5 and Llama 3.1 syntaxes, the schemas
+that constrain "required" and named calls (checked with jsonschema)."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from service.openai.schema import Tool
+from service.openai.tools import (
+    calls_from_named,
+    calls_from_required,
+    might_become_a_call,
+    named_schema,
+    parse_auto,
+    required_schema,
+)
+
+WEATHER = Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+TIME = Tool.model_validate({"type": "function", "function": {"name": "get_time"}})
+NAMES = {"get_weather", "get_time"}
+
+
+def test_hermes_calls_and_content() -> None:
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' \
+           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    content, calls = parse_auto(text, NAMES)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+])
+def test_llama3_json_call(text: str) -> None:
+    content, calls = parse_auto(text, NAMES)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+
+
+@pytest.mark.parametrize("text", [
+    "Paris is the capital of France.",
+    '{"name": "undeclared", "parameters": {}}',           # not a declared tool: content
+    "<tool_call>not json</tool_call>",
+    '{"name": "get_weather", "parameters": [1]}',          # arguments must be an object
+])
+def test_answers_without_calls_are_content(text: str) -> None:
+    assert parse_auto(text, NAMES) == (text, [])
+
+
+def test_holding_back_what_may_be_a_call() -> None:
+    assert might_become_a_call("") and might_become_a_call(" {") and might_become_a_call("<|python")
+    assert might_become_a_call("Sure <tool_") and might_become_a_call("x <tool_call>{")
+    assert not might_become_a_call("Sure, Paris") and not might_become_a_call("a < b")
+
+
+def test_schemas_accept_what_the_mappers_read() -> None:
+    args = {"city": "Rome"}
+    jsonschema.validate(args, named_schema(WEATHER))
+    [call] = calls_from_named(WEATHER, json.dumps(args))
+    assert call.name == "get_weather" and json.loads(call.arguments) == args
+
+    many = [{"name": "get_weather", "parameters": args}, {"name": "get_time", "parameters": {}}]
+    jsonschema.validate(many, required_schema([WEATHER, TIME], parallel=True))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(many, required_schema([WEATHER, TIME], parallel=False))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], required_schema([WEATHER, TIME], parallel=True))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "parameters": {}}], required_schema([WEATHER], parallel=True))
+    assert [c.name for c in calls_from_required(json.dumps(many))] == ["get_weather", "get_time"]

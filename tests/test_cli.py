@@ -1,0 +1,136 @@
+"""The real entry points: `python -m service` with flags and PREFIXSERVE_* variables, a graceful
+SIGTERM (running streams finish, new connections are refused), and `prefixserve generate`."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from cli import config_from, parser, usable_cores
+from tests.helpers.redis_server import free_port
+from tests.helpers.server import status_of
+
+
+def test_flags_read_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIXSERVE_REDIS_URL", "redis://cache:6379/0")
+    monkeypatch.setenv("PREFIXSERVE_NUM_KV_BLOCKS", "64")
+    monkeypatch.setenv("PREFIXSERVE_PORT", "9001")
+    cfg = config_from(parser().parse_args(["serve", "--port", "9002"]))
+    got = (cfg.redis_url, cfg.engine.num_kv_blocks, cfg.port, cfg.host)
+    assert got == ("redis://cache:6379/0", 64, 9002, "127.0.0.1")
+    monkeypatch.setenv("PREFIXSERVE_BLOCK_SIZE", "0")
+    with pytest.raises(SystemExit, match="block_size"):
+        from cli import main
+        main(["serve"])
+
+
+def test_sigterm_lets_streams_finish(tiny_llama_dir: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "PREFIXSERVE_SERVED_MODEL_NAME": "tiny-test", "PREFIXSERVE_MAX_MODEL_LEN": "512"}
+    proc = subprocess.Popen([sys.executable, "-m", "service", "--model", str(tiny_llama_dir), "--port", str(port),
+                             "--shutdown-timeout", "20"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                if status_of(f"{url}/health") == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny-test"
+        body = {"model": "tiny-test", "prompt": "hello", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith(b"data: {")
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            with pytest.raises(requests.ConnectionError):    # no longer accepting
+                requests.get(f"{url}/health", timeout=5)
+            rest = [line for line in lines if line]
+        assert rest[-1] == b"data: [DONE]" and b'"finish_reason":"length"' in rest[-2]
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_generate_streams_to_terminal(tiny_llama_dir: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "service", "generate", "--model", str(tiny_llama_dir),
+                          "--prompt", "hello world", "--max-tokens", "12"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    from engine import LLM, SamplingParams
+    ref = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64).generate(
+        "hello world", SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
+    assert ref and out.stdout == ref + "\n"
+
+
+def test_every_config_knob_is_a_flag_and_a_variable(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """One config tree: each field of EngineConfig and ServiceConfig is settable from `serve`, by flag
+    and by PREFIXSERVE_* variable, and lands in the config the service is built from."""
+    import dataclasses
+
+    from engine.config import EngineConfig
+    from service.config import ServiceConfig
+
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for f in [*dataclasses.fields(EngineConfig), *dataclasses.fields(ServiceConfig)[1:]]:
+        assert "--" + f.name.replace("_", "-") in help_text, f.name
+    cfg = config_from(parser().parse_args(["serve", "--max-num-batched-tokens", "77", "--pinned-fraction", "0.25",
+                                           "--no-enable-prefix-caching", "--kv-cache-memory-gb", "0.5"]))
+    assert (cfg.engine.max_num_batched_tokens, cfg.engine.pinned_fraction) == (77, 0.25)
+    assert cfg.engine.enable_prefix_caching is False and cfg.engine.kv_cache_memory_gb == 0.5
+    monkeypatch.setenv("PREFIXSERVE_MAX_NUM_BATCHED_TOKENS", "7")
+    monkeypatch.setenv("PREFIXSERVE_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("PREFIXSERVE_TORCH_THREADS", "1")
+    monkeypatch.setenv("PREFIXSERVE_MAX_WS_GENERATIONS", "3")
+    cfg = config_from(parser().parse_args(["serve"]))
+    assert cfg.engine.max_num_batched_tokens == 7 and cfg.engine.enable_prefix_caching is False
+    assert cfg.engine.torch_threads == 1 and cfg.max_ws_generations == 3
+
+
+def test_setup_mistakes_are_one_line_of_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A model path that is not a model, a port already taken: one line on stderr, exit status 1."""
+    import socket as socket_module
+    for model in ("/nonexistent/model", str(tmp_path), str(tmp_path / "x.gguf")):
+        out = subprocess.run([sys.executable, "-m", "service", "serve", "--model", model], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1 and "prefixserve:" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+    with socket_module.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "service", "serve", "--model", str(tiny_llama_dir), "--port",
+                              str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("prefixserve: cannot listen on 127.0.0.1:") and str(port) in last
+
+
+def test_serve_uses_the_cores_it_may_use_by_default() -> None:
+    """Not torch's default (every core of the machine, which a container's CPU quota does not cap)."""
+    cores = usable_cores()
+    assert 1 <= cores <= len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            assert cores <= -(-int(quota) // int(period))
+    except OSError:
+        pass
+    assert config_from(parser().parse_args(["serve"])).engine.torch_threads == cores
+    assert config_from(parser().parse_args(["serve", "--torch-threads", "1"])).engine.torch_threads == 1
