@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.config import QUANTIZATIONS
+from engine.kv import backends as kv_backends
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -35,9 +38,9 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the built-in model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
+    ap.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
                     help="weights of the engines measured (default: the checkpoint's own: int4 for the built-in model)")
-    ap.add_argument("--kv-backend", default="paged", choices=["paged", "vattention"],
+    ap.add_argument("--kv-backend", default="paged", choices=kv_backends.names(),
                     help="KV cache backend of the engines measured (vattention: CPU only)")
     ap.add_argument("--out", type=Path, default=None,
                     help=f"where the .md, .png and .json go (default: a new scratch folder; the committed results "

@@ -29,6 +29,7 @@ import aiohttp
 from tqdm import tqdm
 
 from benchmarks.common import scratch_dir
+from engine.kv import backends as kv_backends
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -268,7 +269,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-backend", default="paged", choices=["paged", "vattention"])
+    p.add_argument("--kv-backend", default="paged", choices=kv_backends.names())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overhead-rounds", type=int, default=2, help="offline / server turns for the overhead ratio")
     p.add_argument("--torch-threads", type=int, default=None,

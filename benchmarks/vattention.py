@@ -35,6 +35,7 @@ from benchmarks.common import (
     write_results,
 )
 from engine import LLM, SamplingParams
+from engine.kv.backends.vattention.cache import VAttentionCache
 from engine.kv.backends.vattention.vmm import HostVirtualMemory
 
 BACKENDS = ("paged", "vattention")
@@ -44,7 +45,7 @@ def measure(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, Any]:
     """Prefill the prompts in one step budget, then decode `steps` tokens each; per-step timings."""
     engine = llm.engine
     core = engine.core
-    before = core.vattention.stats(0) if core.vattention is not None else None
+    before = {k: s.value for k, s in core.stats().kv_backend_stats.items()}
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     rids = [f"b{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts):
@@ -65,12 +66,11 @@ def measure(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, Any]:
         if held:
             waste.append(statistics.mean(b * core.block_size - n for b, n in held))
         t = time.perf_counter()
-    after = core.vattention.stats(0) if core.vattention is not None else None
+    after = {k: s.value for k, s in core.stats().kv_backend_stats.items()}
     out: dict[str, Any] = {"prefill_tok_s": sum(map(len, prompts)) / prefill_t,
                            "decode_step_ms": 1000 * statistics.median(decode_t), "waste_tokens": statistics.mean(waste)}
-    if before is not None and after is not None:
-        out |= {"decode_stalls": after.decode_stalls - before.decode_stalls,
-                "sync_maps": after.sync_maps - before.sync_maps, "ahead_maps": after.ahead_maps - before.ahead_maps}
+    if after:                                   # the vattention backend's counters
+        out |= {k: after[k] - before[k] for k in ("decode_stalls", "sync_maps", "ahead_maps")}
     return out
 
 
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench vattentio
                    num_kv_blocks=blocks, max_num_seqs=max(args.batches), max_num_batched_tokens=4096)
             for b in BACKENDS}
     core = llms["vattention"].engine.core
-    assert core.vattention is not None and core.block_size == llms["paged"].engine.core.block_size
+    cache = core.kv_cache
+    assert isinstance(cache, VAttentionCache) and core.block_size == llms["paged"].engine.core.block_size
     vocab = core.vocab_size
     warm = random_prompts([min(64, *args.contexts)] * 4, vocab, args.seed + 99)
     for llm in llms.values():                                  # warm-up: first steps, first mappings
@@ -127,7 +128,6 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench vattentio
         row["ahead_maps"] = sum(m["ahead_maps"] for m in per["vattention"])
         rows.append(row)
 
-    cache = core.vattention
     args_m = core.loaded.args
     token_bytes = cache.page_bytes // cache.block_size
     per_layer_row = token_bytes // (2 * args_m.num_layers)

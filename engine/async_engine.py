@@ -1,4 +1,12 @@
-"""AsyncEngine: the asyncio face of the engine. add / stream / abort, pin / unpin.
+"""AsyncEngine: the asyncio face of the engine, and the service's whole view of it.
+
+    add, generate, abort                        requests and their streams (RequestStream)
+    pin_prefix, unpin_prefix                    named prefixes: compute and pin, unpin
+    reset_prefix_cache, stats                   the router's cache flush; a snapshot for metrics and load
+    compile_grammar                             structured output, compiled off the loop before `add`
+    tokenizer, fingerprint, tokenizer_version,  what never changes once the model is loaded
+    max_model_len, block_size, vocab_size,
+    model_name, model_path, config
 
 Who owns what:
 - The engine (LLMEngine: core, output processor, pins) belongs to ONE worker thread, the engine thread.
@@ -32,6 +40,7 @@ from engine.core import EngineStats
 from engine.errors import EngineDead, EngineError, InvalidRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import PinnedPrefix, RequestOutput
+from engine.sample.structured import StructuredSpec
 from engine.sequence import EngineRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -137,15 +146,18 @@ class _StepResult:
 class AsyncEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
-        self.engine = engine or LLMEngine(config)
-        self.core = self.engine.core            # tests and benchmarks reach the engine thread's state here
-        self.tokenizer = self.engine.tokenizer
-        self.fingerprint = self.engine.fingerprint
-        self.tokenizer_version = self.engine.loaded.tokenizer_version
-        self.max_model_len = self.engine.max_model_len
-        self.block_size = self.engine.core.block_size       # tokens per KV block (vattention may round it up)
-        self.vocab_size = self.engine.core.vocab_size
-        self.model_name = self.engine.loaded.name
+        self._engine = engine or LLMEngine(config)
+        # NOTE: the engine thread's state; the service never touches it (tests may read it between steps)
+        self._core = self._engine.core
+        # What never changes after loading, readable from any thread:
+        self.tokenizer = self._engine.tokenizer
+        self.fingerprint = self._engine.fingerprint
+        self.tokenizer_version = self._engine.loaded.tokenizer_version
+        self.max_model_len = self._engine.max_model_len
+        self.block_size = self._core.block_size             # tokens per KV block (a backend may round it up)
+        self.vocab_size = self._core.vocab_size
+        self.model_name = self._engine.loaded.name
+        self.model_path = str(self._engine.loaded.path)
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}                        # loop side
         self._pin_futures: dict[str, asyncio.Future[PinnedPrefix]] = {}      # loop side
@@ -156,7 +168,7 @@ class AsyncEngine:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._task: asyncio.Task[None] | None = None
-        self._stats = self.engine.stats()
+        self._stats = self._engine.stats()
         self.dead: BaseException | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -177,7 +189,7 @@ class AsyncEngine:
         for rid, stream in list(self._streams.items()):
             stream._fail(rid, EngineDead("the engine is shutting down"))
         self._executor.shutdown(wait=True)
-        self.core.close()
+        self._core.close()
 
     @property
     def is_running(self) -> bool:
@@ -194,7 +206,7 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid!r} is already in use", param="id")
-        request = self.engine.core.make_request(rid, prompt_token_ids, params)
+        request = self._core.make_request(rid, prompt_token_ids, params)
         stream = stream or RequestStream(self)
         stream._submitted(rid)
         self._streams[rid] = stream
@@ -254,6 +266,12 @@ class AsyncEngine:
         """A snapshot taken by the engine thread after its last step."""
         return self._stats
 
+    def compile_grammar(self, spec: StructuredSpec) -> None:
+        """Compiles a structured-output constraint into the engine's grammar cache, on the calling thread
+        (seconds for a large schema: call it off the event loop), so that admitting the request finds it
+        compiled. Raises InvalidRequest for a constraint that does not compile. Thread-safe."""
+        self._core.grammars.compile(spec)
+
     def _send(self, cmd: tuple[Any, ...]) -> None:
         self._commands.put(cmd)
         if self._wakeup is None or self._event_loop is None or self._event_loop.is_closed():
@@ -287,7 +305,7 @@ class AsyncEngine:
     def _step_in_thread(self) -> _StepResult:
         """Runs on the engine thread: apply queued commands, then one step."""
         res = _StepResult()
-        engine = self.engine
+        engine = self._engine
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -314,7 +332,7 @@ class AsyncEngine:
         return res
 
     def _apply(self, cmd: tuple[Any, ...], res: _StepResult) -> None:
-        engine = self.engine
+        engine = self._engine
         kind = cmd[0]
         if kind == "add":
             request: EngineRequest = cmd[1]

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.kv import backends as kv_backends
 from engine.kv.events import KVEventsConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")
-KV_BACKENDS = ("paged", "vattention")
 QUANTIZATIONS = ("none", "int8", "int4")
 
 
@@ -43,7 +43,7 @@ class EngineConfig:
                                          ATTENTION_BACKENDS)
     kv_backend: str = knob("paged", "KV cache backend: paged (block tables, PagedAttention) or vattention (each "
                                     "request's KV virtually contiguous, pages mapped on demand; CPU only for now)",
-                           KV_BACKENDS)
+                           kv_backends.names())
     map_ahead_tokens: int = knob(4, "vattention: a decoding request gets its next page this many tokens before it "
                                     "needs it, mapped by a background thread during a forward pass (0: never ahead)")
     compile_decode: bool = knob(False, "torch.compile the decode step (one graph per batch bucket 1-32, compiled at "
@@ -73,7 +73,8 @@ class EngineConfig:
             (self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1"),
             (self.quantization is None or self.quantization in QUANTIZATIONS,
              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"),
-            (self.kv_backend in KV_BACKENDS, f"kv_backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}"),
+            (self.kv_backend in kv_backends.names(),
+             f"kv_backend must be one of {kv_backends.names()}, got {self.kv_backend!r}"),
             (self.map_ahead_tokens >= 0, "map_ahead_tokens must be >= 0"),
             (not self.compile_decode or self.device == "cpu",
              "compile_decode runs on the CPU only for now (CUDA graphs are not built yet)"),

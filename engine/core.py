@@ -22,8 +22,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import CapacityExceeded, EngineError, InvalidRequest, QueueFull
-from engine.kv.backends.paged.cache import KVCache, KVStore
-from engine.kv.backends.vattention.cache import VAttentionCache, VAttentionStats, page_block_size
+from engine.kv import backends as kv_backends
+from engine.kv.backends.base import CacheSpec, KVStat, KVStore, blocks_for_budget
 from engine.kv.block_manager import BlockManager
 from engine.kv.block_pool import BlockPool
 from engine.kv.event_publisher import ZmqEventPublisher
@@ -41,7 +41,6 @@ from engine.sched.forks import Forks
 from engine.sched.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import EngineRequest, SamplingParams, Sequence, SequenceGroup
 from engine.worker.model_runner import ModelRunner
-from kernels import Attention, get_backend, get_contiguous_backend
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,7 +58,10 @@ class EngineStats:
     preemptions_total: int
     prefix_cache_queried_tokens_total: int
     prefix_cache_hit_tokens_total: int
-    vattention: VAttentionStats | None = None     # kv_backend="vattention" only
+    kv_backend: str = ""                          # the KV backend's name, and its own figures (KVStore.stats)
+    kv_backend_stats: dict[str, KVStat] = field(default_factory=dict)
+    kv_events_published: int | None = None       # KV event batches published, records dropped (None: events off)
+    kv_events_dropped: int | None = None
 
 
 @dataclass
@@ -99,32 +101,24 @@ class EngineCore:
         self.vocab_size = args.vocab_size
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         dtype = _DTYPES[config.dtype]
-        vattention = config.kv_backend == "vattention"
-        # vAttention: a block is a page, whose bytes must be whole OS pages (engine/vattention.py)
-        self.block_size = page_block_size(args, dtype, config.block_size) if vattention else config.block_size
+        backend = kv_backends.get(config.kv_backend)
+        self.block_size = backend.block_size(args, dtype, config.block_size)
         if self.block_size != config.block_size:
-            log.info("kv_backend=vattention: block size %d -> %d tokens (a page must be whole OS pages)",
+            log.info("kv_backend=%s: block size %d -> %d tokens (the backend's rule)", backend.name,
                      config.block_size, self.block_size)
-        num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(
-            args, self.block_size, dtype, config.kv_cache_memory_gb * 2**30)
+        num_blocks = config.num_kv_blocks or blocks_for_budget(args, self.block_size, dtype,
+                                                               config.kv_cache_memory_gb * 2**30)
         self.num_blocks_total = num_blocks              # immutable: make_request may read it off-thread
         events = KVEventsConfig.from_json(config.kv_events_config) if config.kv_events_config else None
         sink = KVEventQueue(events.max_queue_size) if events is not None and events.enabled else None
         self.pool = BlockPool(num_blocks, max_pinned_blocks=int(num_blocks * config.pinned_fraction), events=sink)
         assert config.attention_backend is not None
-        self.vattention: VAttentionCache | None = None
-        self.kv_cache: KVStore
-        if vattention:
-            self.vattention = VAttentionCache(args, num_blocks, self.block_size, dtype, config.device,
-                                              self.max_model_len, config.max_num_seqs)
-            self.kv_cache = self.vattention
-            attention: Attention = get_contiguous_backend(config.attention_backend)
-        else:
-            paged = get_backend(config.attention_backend)
-            self.kv_cache = KVCache(args, num_blocks, self.block_size, dtype, config.device, paged)
-            attention = paged
+        attention = backend.attention(config.attention_backend)
+        self.kv_cache: KVStore = backend.create(CacheSpec(args, num_blocks, self.block_size, dtype, config.device,
+                                                          self.max_model_len, config.max_num_seqs, attention,
+                                                          config.map_ahead_tokens))
         self.manager = BlockManager(self.pool, self.block_size, loaded.fingerprint, config.enable_prefix_caching,
-                                    self.vattention.slots if self.vattention is not None else None)
+                                    self.kv_cache.placement)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.kv_cache, attention, config.device)
         if config.compile_decode:
@@ -275,7 +269,7 @@ class EngineCore:
         for s in sched.scheduled:
             if s.seq.group is not None and s.seq.group.times.scheduled is None:
                 s.seq.group.times.scheduled = time.monotonic()
-        if self.vattention is not None and self.config.map_ahead_tokens:
+        if self.kv_cache.ahead_tokens:
             self._grow_ahead(sched.scheduled)
         tables = [self.manager.block_table(s.seq.seq_id) for s in sched.scheduled]
         extra_rows, prompt_targets = self._prompt_logprob_rows(sched.scheduled)
@@ -428,10 +422,10 @@ class EngineCore:
             self.finish_seq(seq, "length")
 
     def _grow_ahead(self, scheduled: list[ScheduledSeq]) -> None:
-        """vAttention's overlap of mapping with compute: a sequence that samples this step (its next step is
-        a decode) and would fill its last page within map_ahead_tokens gets its next block now, so the
-        mapper thread maps it during this step's forward pass. Only blocks to spare beyond the
-        scheduler's watermark are used: growing ahead never preempts anything."""
+        """For backends that prepare blocks ahead of need (KVStore.ahead_tokens > 0; vAttention maps pages
+        while the forward pass runs): a sequence that samples this step (its next step is a decode) and
+        would fill its last block within ahead_tokens gets its next block now. Only blocks to spare beyond
+        the scheduler's watermark are used: growing ahead never preempts anything."""
         spare = self.pool.num_free - self.scheduler.watermark
         for s in scheduled:
             seq = s.seq
@@ -440,7 +434,7 @@ class EngineCore:
             if not s.sample:
                 continue
             last = seq.num_prompt_tokens + seq.max_tokens            # the most tokens it can ever hold
-            target = min(seq.num_computed + s.num_new + 1 + self.config.map_ahead_tokens, self.max_model_len, last)
+            target = min(seq.num_computed + s.num_new + 1 + self.kv_cache.ahead_tokens, self.max_model_len, last)
             need = -(-target // self.block_size) - self.manager.num_blocks(seq.seq_id)
             if 0 < need <= spare and self.manager.grow(seq.seq_id, target):
                 spare -= need
@@ -450,18 +444,17 @@ class EngineCore:
         return self.pool.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stops what the core started besides itself (the KV-events publisher, the vAttention mapper)."""
+        """Stops what the core started besides itself (the KV-events publisher, the cache's threads)."""
         if self.kv_events is not None:
             self.kv_events.close()
-        if self.vattention is not None:
-            self.vattention.close()
+        self.kv_cache.close()
 
     def stats(self) -> EngineStats:
         p = self.pool.stats()
         s = self.scheduler
-        va = None
-        if self.vattention is not None:
-            live = sum(self.manager.num_blocks(sid) for sid in self.vattention.slots.slot_of)
-            va = self.vattention.stats(live)
+        events = self.kv_events
         return EngineStats(p.total, p.used, p.pinned, p.cached, p.free, len(s.running), len(s.waiting),
-                           s.num_preemptions, s.prefix_queried_tokens, s.prefix_hit_tokens, va)
+                           s.num_preemptions, s.prefix_queried_tokens, s.prefix_hit_tokens, self.config.kv_backend,
+                           self.kv_cache.stats(self.manager.num_blocks),
+                           events.published_batches if events is not None else None,
+                           events.queue.dropped if events is not None else None)

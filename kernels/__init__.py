@@ -1,6 +1,12 @@
 """Attention kernels over the paged KV cache and the contiguous (vAttention) one.
 
-No engine imports: the engine calls in, never the reverse."""
+    torch_backend, contiguous_torch     CPU: torch over block tables / over contiguous slot views
+    triton_backend                      GPU: the Triton launchers behind the same protocols, both layouts
+    paged_decode, paged_prefill, kv_write, block_copy     the Triton kernels (kernel + launcher each)
+    metadata                            AttentionMetadata: the flattened batch every backend reads
+
+No engine imports: the engine calls in, never the reverse. Which kernels read which cache is the KV
+backend's choice (engine/kv/backends/<name>/__init__.py), not this package's."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -31,24 +37,4 @@ class AttentionBackend(Attention, Protocol):
                     src: torch.Tensor, dst: torch.Tensor) -> None: ...
 
 
-def get_backend(name: str) -> AttentionBackend:
-    if name == "torch":
-        from kernels.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend()
-    if name == "triton":
-        from kernels.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
-
-
-def get_contiguous_backend(name: str) -> Attention:
-    if name == "torch":
-        from kernels.contiguous_torch import ContiguousTorchBackend
-        return ContiguousTorchBackend()
-    if name == "triton":
-        from kernels.triton_backend import ContiguousTritonBackend
-        return ContiguousTritonBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
-
-
-__all__ = ["AttentionBackend", "AttentionMetadata", "Attention", "get_backend", "get_contiguous_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "Attention"]

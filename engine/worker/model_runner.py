@@ -3,7 +3,7 @@
 Per step the runner builds, with numpy rather than per-token Python loops:
   input_ids [T], positions [T], slot_mapping [T], seq_lens [S], query_start_loc [S + 1], and
   logits_indices [N]: the last token of each sequence that samples; the KV cache adds where the tokens
-  live (engine/kv_cache.Addressing): block_tables [S, max_blocks] (paged) or slot_ids [S] (vAttention).
+  live (engine/kv/backends/base.Addressing): block_tables [S, max_blocks] (paged) or slot_ids [S] (vAttention).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.kv.backends.paged.cache import KVStore
+from engine.kv.backends.base import KVStore
 from engine.models.llama import LlamaForCausalLM
 from engine.sched.scheduler import ScheduledSeq
 from engine.worker.compiled_decode import CompiledDecode

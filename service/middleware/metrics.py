@@ -28,9 +28,11 @@ concept, so an existing vLLM dashboard reads them. Every `vllm:` series has the 
 | prefixserve_prefix_hit_requests_total{prefix}         | counter   | requests that hit the named prefix     |
 | prefixserve_prefix_tokens_saved_total{prefix}         | counter   | prompt tokens those hits saved         |
 | prefixserve_kv_events_{batches,dropped}_total         | counter   | KV events published / dropped (if on)  |
-| prefixserve_vattention_{mapped_pages,busy_slots}      | gauge     | vAttention mappings, slots (if on)     |
-| prefixserve_vattention_{sync_maps,decode_stalls,ahead_maps,reclaimed_pages}_total | counter | page mappings by kind |
+| prefixserve_<kv backend>_<name>                        | either    | the KV backend's own figures (*3)      |
 
+(*3) Whatever `KVStore.stats` returns, exported as the backend declares it (gauge or counter, with its
+help text): nothing here names a backend. The paged backend reports none; engine/kv/backends/ has the
+others' lists.
 (**) Used: referenced by a request or pinned; free blocks that still cache a prefix count as free,
 as in vLLM. (*) The engine timestamps a request's first and last token, not each one: every gap of a request
 is counted as its mean decode gap. Sum and count are exact (total decode time, number of gaps); the
@@ -132,21 +134,9 @@ class _StateCollector(Collector):
                                 "Gap between a request's decode steps (each request's mean gap)", model[0])
         for name, doc in _BLOCK_GAUGES.items():
             yield GaugeMetricFamily(f"prefixserve_{name}", doc, value=getattr(s, name))
-        va = s.vattention
-        if va is not None:
-            yield GaugeMetricFamily("prefixserve_vattention_mapped_pages", "vAttention page mappings in place "
-                                    "(in use and kept for reuse)", value=va.mapped_pages)
-            yield GaugeMetricFamily("prefixserve_vattention_busy_slots", "vAttention slots held by a sequence",
-                                    value=va.busy_slots)
-            yield CounterMetricFamily("prefixserve_vattention_sync_maps", "Pages mapped on the critical path "
-                                      "(a step needed them unmapped)", value=va.sync_maps)
-            yield CounterMetricFamily("prefixserve_vattention_decode_stalls", "Of those, the page of a decoding "
-                                      "request's next token (mapping ahead should make this 0)",
-                                      value=va.decode_stalls)
-            yield CounterMetricFamily("prefixserve_vattention_ahead_maps", "Pages mapped ahead of need by the "
-                                      "mapper thread, during a forward pass", value=va.ahead_maps)
-            yield CounterMetricFamily("prefixserve_vattention_reclaimed_pages", "Stale mappings undone for want "
-                                      "of mappings (vm.max_map_count)", value=va.reclaimed_pages)
+        for key, stat in s.kv_backend_stats.items():      # whatever the KV backend reports, by its name
+            family = GaugeMetricFamily if stat.kind == "gauge" else CounterMetricFamily
+            yield family(f"prefixserve_{s.kv_backend}_{key}", stat.doc, value=stat.value)
         hits = CounterMetricFamily("prefixserve_prefix_hit_requests", "Requests naming a registered prefix "
                                    "that hit its cached blocks, by prefix", labels=["prefix"])
         saved = CounterMetricFamily("prefixserve_prefix_tokens_saved", "Prompt tokens served from a named "
@@ -156,15 +146,12 @@ class _StateCollector(Collector):
             saved.add_metric([name], entry.tokens_saved)
         yield hits
         yield saved
-        # NOTE: the KV-event publisher's counters are read without a lock: each has one writer thread
-        # (batches: the publisher's; dropped: the engine's) and reading an int is atomic.
-        publisher = state.engine.core.kv_events
-        if publisher is not None:
+        if s.kv_events_published is not None:
             yield CounterMetricFamily("prefixserve_kv_events_batches", "KV event batches published (ZMQ PUB)",
-                                      value=publisher.published_batches)
+                                      value=s.kv_events_published)
             yield CounterMetricFamily("prefixserve_kv_events_dropped", "KV event records dropped because the "
                                       "publisher fell behind (each drop is followed by AllBlocksCleared)",
-                                      value=publisher.queue.dropped)
+                                      value=s.kv_events_dropped)
 
 
 class Metrics:

@@ -71,7 +71,7 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 def _model_path(request: web.Request) -> str:
-    return str(request.app[STATE].ready_engine().core.loaded.path)
+    return str(request.app[STATE].ready_engine().model_path)
 
 
 async def model_info(request: web.Request) -> web.Response:

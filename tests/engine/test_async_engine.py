@@ -59,7 +59,7 @@ async def test_the_core_is_touched_only_on_the_engine_thread(tiny_llama_dir: Pat
     event loop, racing the engine thread.)"""
     eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=48, max_model_len=128))
     seen: set[str] = set()
-    core = eng.core
+    core = eng._core
     for obj in (core.pool, core.manager, core.scheduler):
         assert isinstance(obj, (BlockPool, BlockManager, Scheduler))
         watch_threads(obj, seen)
@@ -136,7 +136,7 @@ async def test_pin_cancelled_at_any_point_leaves_nothing_pinned(tiny_llama_dir: 
                 break
             await asyncio.sleep(0.01)
         assert eng.stats().kv_blocks_pinned == 0 and eng.stats().kv_blocks_used == 0
-        assert eng.engine.pins.jobs == {}
+        assert eng._engine.pins.jobs == {}
         assert kept >= 6 and cancelled >= 6                  # k % 6 == 5 always kept; k % 6 == 0 always cancelled
     finally:
         await eng.shutdown()
@@ -204,7 +204,7 @@ async def test_a_failed_step_fails_its_requests_not_the_engine(tiny_llama_dir: P
 
     eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
     await eng.start()
-    real = eng.core.runner.execute
+    real = eng._core.runner.execute
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):  # fault injection: the third forward pass raises
@@ -213,7 +213,7 @@ async def test_a_failed_step_fails_its_requests_not_the_engine(tiny_llama_dir: P
             raise RuntimeError("injected device fault")
         return real(*args, **kwargs)
 
-    eng.core.runner.execute = flaky  # type: ignore[method-assign]
+    eng._core.runner.execute = flaky  # type: ignore[method-assign]
     try:
         with pytest.raises(EngineError, match="injected device fault"):
             async for _ in eng.generate(toks(6, 1), SamplingParams(max_tokens=20, ignore_eos=True)):

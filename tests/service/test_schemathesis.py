@@ -66,4 +66,4 @@ def test_no_server_errors(fuzz_target: ServerThread, tmp_path: Path) -> None:
     assert sum(answers.values()) >= 300
     st = fuzz_target.state.engine.stats()
     assert st.requests_running == st.requests_waiting == 0 and st.kv_blocks_used == st.kv_blocks_pinned
-    assert st.kv_blocks_pinned <= fuzz_target.state.engine.core.pool.max_pinned_blocks
+    assert st.kv_blocks_pinned <= fuzz_target.state.engine._core.pool.max_pinned_blocks

@@ -30,7 +30,7 @@ def slow_server(tiny_llama_dir: Path) -> Iterator[ServerThread]:
     """The tiny model at a human pace (20 ms per engine step), so tokens reach the page one by one
     instead of coalescing into a few TCP reads."""
     srv = ServerThread(tiny_config(tiny_llama_dir)).start()
-    core = srv.state.engine.core
+    core = srv.state.engine._core
     step = core.step
     srv.step_delay = 0.02  # type: ignore[attr-defined]   # a test may slow it further
 

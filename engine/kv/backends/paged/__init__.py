@@ -1,0 +1,34 @@
+"""The paged backend (PagedAttention, the default): blocks of `block_size` tokens read through block tables.
+
+    cache.py    PagedKVCache: K and V [num_layers, num_blocks, block_size, Hkv, D], block-table addressing
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.kv.backends.base import CacheSpec, KVBackend, KVStore
+from engine.models.llama import ModelArgs
+from kernels import Attention
+
+
+def _create(spec: CacheSpec) -> KVStore:
+    from engine.kv.backends.paged.cache import PagedKVCache
+    return PagedKVCache(spec)
+
+
+def _attention(kernels: str) -> Attention:
+    """Paged attention: torch on the CPU, Triton on GPUs (kernels/)."""
+    if kernels == "torch":
+        from kernels.torch_backend import TorchAttentionBackend
+        return TorchAttentionBackend()
+    if kernels == "triton":
+        from kernels.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention kernels {kernels!r}; choose 'torch' or 'triton'")
+
+
+def _block_size(args: ModelArgs, dtype: torch.dtype, requested: int) -> int:
+    return requested             # any block size
+
+
+BACKEND = KVBackend("paged", _create, _attention, _block_size)

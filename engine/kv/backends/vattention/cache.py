@@ -37,32 +37,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.kv.backends.paged.cache import Addressing
+from engine.kv.backends.base import Addressing, KVStat
+from engine.kv.block_manager import Placement
 from engine.kv.backends.vattention.slots import SlotTable
 from engine.kv.backends.vattention.vmm import OS_PAGE_BYTES, HostVirtualMemory, mapping_budget
 from engine.models.llama import ModelArgs
-
-
-@dataclass(frozen=True)
-class VAttentionStats:
-    block_size: int            # tokens per page
-    page_bytes: int
-    num_slots: int             # slots reserved (virtual)
-    busy_slots: int            # slots held by a sequence
-    mapped_pages: int          # page mappings in place (live and kept for reuse)
-    live_pages: int            # of those, pages the sequences holding slots use
-    sync_maps: int             # pages mapped on the critical path (a step needed them unmapped), of which
-    decode_stalls: int         # the page of a decoding sequence's next token (what mapping ahead avoids)
-    ahead_maps: int            # pages mapped by the mapper thread during a forward pass
-    reused_pages: int          # pages a step needed that were already mapped in place
-    reclaimed_pages: int       # stale mappings undone for want of mappings
-    sync_map_seconds: float    # time spent in synchronous mapping
 
 
 def page_block_size(args: ModelArgs, dtype: torch.dtype, block_size: int) -> int:
@@ -74,7 +59,7 @@ def page_block_size(args: ModelArgs, dtype: torch.dtype, block_size: int) -> int
 
 class VAttentionCache:
     def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
-                 max_model_len: int, num_slots: int) -> None:
+                 max_model_len: int, num_slots: int, ahead_tokens: int = 0) -> None:
         if torch.device(device).type != "cpu":
             raise ValueError("kv_backend='vattention' runs on the CPU only for now (its CUDA VMM implementation "
                              "is not written yet); use kv_backend='paged' on GPUs")
@@ -93,6 +78,8 @@ class VAttentionCache:
         self.key = phys[:, :, 0].permute(2, 0, 1, 3, 4)
         self.value = phys[:, :, 1].permute(2, 0, 1, 3, 4)
         self.slots = SlotTable(num_slots, self.pages_per_slot)
+        self.placement: Placement | None = self.slots     # a sequence's blocks go where its slot maps them
+        self.ahead_tokens = ahead_tokens
         self._addr = 0
         self._reserved = 0
         self._reserve(num_slots)
@@ -200,14 +187,32 @@ class VAttentionCache:
         if pairs:
             self.pages[torch.tensor([d for _, d in pairs])] = self.pages[torch.tensor([s for s, _ in pairs])]
 
-    def stats(self, live_pages: int) -> VAttentionStats:
-        return VAttentionStats(self.block_size, self.page_bytes, self._reserved, len(self.slots.slot_of),
-                               self.slots.num_mapped, live_pages, self.sync_maps, self.decode_stalls, self.ahead_maps,
-                               self.reused_pages, self.reclaimed_pages, self.sync_map_seconds)
+    def stats(self, blocks_of: Callable[[int], int]) -> dict[str, KVStat]:
+        live = sum(blocks_of(seq_id) for seq_id in self.slots.slot_of)
+        return {
+            "page_bytes": KVStat("gauge", self.page_bytes, "Bytes of one page (block_size tokens, every layer's K and V)"),
+            "num_slots": KVStat("gauge", self._reserved, "vAttention slots reserved (virtual address space)"),
+            "busy_slots": KVStat("gauge", len(self.slots.slot_of), "vAttention slots held by a sequence"),
+            "mapped_pages": KVStat("gauge", self.slots.num_mapped, "vAttention page mappings in place (in use and "
+                                   "kept for reuse)"),
+            "live_pages": KVStat("gauge", live, "Of those, pages the sequences holding slots use"),
+            "sync_maps": KVStat("counter", self.sync_maps, "Pages mapped on the critical path (a step needed them "
+                                "unmapped)"),
+            "decode_stalls": KVStat("counter", self.decode_stalls, "Of those, the page of a decoding request's next "
+                                    "token (mapping ahead should make this 0)"),
+            "ahead_maps": KVStat("counter", self.ahead_maps, "Pages mapped ahead of need by the mapper thread, "
+                                 "during a forward pass"),
+            "reused_pages": KVStat("counter", self.reused_pages, "Pages a step needed that were already mapped in "
+                                   "place"),
+            "reclaimed_pages": KVStat("counter", self.reclaimed_pages, "Stale mappings undone for want of mappings "
+                                      "(vm.max_map_count)"),
+            "sync_map_seconds": KVStat("counter", self.sync_map_seconds, "Seconds spent mapping pages on the "
+                                       "critical path"),
+        }
 
     def close(self) -> None:
         self._finish_ahead()
         self._mapper.shutdown(wait=True)
 
 
-__all__ = ["VAttentionCache", "VAttentionStats", "page_block_size"]
+__all__ = ["VAttentionCache", "page_block_size"]

@@ -1,0 +1,104 @@
+"""What a KV backend is to the engine: the cache it creates (KVStore), how it is described (KVBackend),
+and the values it reports (KVStat). The registry (engine/kv/backends/__init__.py) maps names to KVBackends.
+
+    KVBackend   name, cache factory, attention getter, block-size rule     (one per backend, registered)
+    KVStore     the cache on the device: tensors per layer, where a step's tokens live, block copies,
+                where blocks should go (placement), how far ahead to grow, stats, close     (one per engine)
+
+The block pool, the block manager, the scheduler and the pins are the same for every backend: a backend
+decides how a block's memory is laid out and read, never which blocks a sequence holds.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from engine.kv.block_manager import Placement
+from engine.models.llama import ModelArgs
+from kernels import Attention
+
+
+class KVStat(NamedTuple):
+    """One value a backend reports; the service exports it as `prefixserve_<backend>_<name>`."""
+
+    kind: Literal["gauge", "counter"]
+    value: float
+    doc: str
+
+
+@dataclass
+class Addressing:
+    """Where one step's tokens live in a cache, as the attention kernels read it."""
+
+    rows: np.ndarray                       # [num_tokens] int64: each new token's K/V row (slot_mapping)
+    block_tables: np.ndarray | None        # [num_seqs, max_blocks] int32 (block tables)
+    slot_ids: list[int] | None             # each sequence's slot (virtually contiguous caches)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a backend's factory is given to build the cache."""
+
+    args: ModelArgs
+    num_blocks: int
+    block_size: int                        # already through the backend's block-size rule
+    dtype: torch.dtype
+    device: str
+    max_model_len: int
+    max_num_seqs: int
+    attention: Attention                   # the backend's attention, from its getter
+    map_ahead_tokens: int                  # how early a decoding sequence may get its next block
+
+
+class KVStore(Protocol):
+    """What the engine needs of a KV cache, whichever backend holds it."""
+
+    block_size: int
+    placement: Placement | None            # where the backend wants blocks to go (None: anywhere)
+    ahead_tokens: int                      # grow a decoding sequence this many tokens early (0: never)
+
+    def layers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V indexed by layer first, as the model reads them."""
+        ...
+
+    def addressing(self, seq_ids: list[int], tables: list[list[int]], seq_lens: list[int],
+                   seq_of_token: np.ndarray, positions: np.ndarray, decoding: list[bool]) -> Addressing:
+        """Sequence i (`decoding[i]`: generating, not in its prompt) holds blocks tables[i] and
+        seq_lens[i] tokens after this step; token t belongs to sequence seq_of_token[t], at positions[t]."""
+        ...
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst (copy-on-write of a shared partial block)."""
+        ...
+
+    def stats(self, blocks_of: Callable[[int], int]) -> dict[str, KVStat]:
+        """The backend's own figures (`blocks_of(seq_id)`: blocks a sequence holds); {} if none."""
+        ...
+
+    def close(self) -> None:
+        """Stops what the cache started (threads); the engine calls it once, last."""
+        ...
+
+
+@dataclass(frozen=True)
+class KVBackend:
+    """A KV backend, as registered: everything the engine asks of it by name."""
+
+    name: str
+    create: Callable[[CacheSpec], KVStore]                        # the cache factory
+    attention: Callable[[str], Attention]                         # kernel family ("torch", "triton") -> attention
+    block_size: Callable[[ModelArgs, torch.dtype, int], int]      # the block size it can serve for one asked
+
+
+def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of `block_size` tokens in every layer: what one block costs in any backend."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
+
+
+def blocks_for_budget(args: ModelArgs, block_size: int, dtype: torch.dtype, budget_bytes: float) -> int:
+    return max(1, int(budget_bytes // bytes_per_block(args, block_size, dtype)))
