@@ -33,7 +33,7 @@ test: $(STAMP) redis chromium
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m mypy engine kernels service prefix_store
+	$(PY) -m mypy engine kernels service prefix_store cli.py
 
 test-slow: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow

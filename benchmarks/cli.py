@@ -1,11 +1,12 @@
 """`prefixserve bench <name> [--quick] [--model M] [--device D] [--out DIR]`: one entry point for every benchmark.
 
-    python -m benchmarks.cli memory --quick
-    python -m benchmarks.cli prefix --quick --out /tmp/results
+    prefixserve bench memory --quick
+    prefixserve bench prefix --quick --out /tmp/results
 
-Names: throughput, memory, prefix, sharing, structured, routing, vattention, decode (ours: each writes
-<name>.md/.png/.json into --out and prints `RESULT {json}` last), serving (benchmarks/serving.py) and
-kernels (benchmarks/kernels.py, CUDA only).
+Names: throughput, memory, prefix, sharing, structured, vattention, decode (benchmarks/offline/: the engine
+in this process), routing, peers (benchmarks/served/: servers over HTTP); each writes <name>.md/.png/.json
+into --out and prints `RESULT {json}` last. Delegated, with options of their own: serving
+(benchmarks/served/serving.py) and kernels (benchmarks/offline/kernels.py, CUDA only).
 """
 from __future__ import annotations
 
@@ -17,8 +18,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-OURS = ("throughput", "memory", "prefix", "sharing", "structured", "routing", "vattention", "decode")
+OFFLINE = ("throughput", "memory", "prefix", "sharing", "structured", "vattention", "decode", "kernels")
+SERVED = ("routing", "peers", "serving")
+OURS = ("throughput", "memory", "prefix", "sharing", "structured", "routing", "vattention", "decode", "peers")
 DELEGATED = ("serving", "kernels")
+
+
+def module_name(name: str) -> str:
+    return f"benchmarks.{'offline' if name in OFFLINE else 'served'}.{name}"
 PROG = "prefixserve bench"
 
 
@@ -33,22 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv[:1])
     rest = argv[1:]
     if ns.name in OURS:
-        module = importlib.import_module(f"benchmarks.{ns.name}")
+        module = importlib.import_module(module_name(ns.name))
         return int(module.main(rest, prog=f"{PROG} {ns.name}"))
     return _delegate(ns.name, rest)
 
 
 def _delegate(name: str, rest: list[str]) -> int:
-    """Runs benchmarks/<name>.py's `main` (owned elsewhere): with argv if it takes one, else under a
+    """Runs the benchmark's `main` (owned elsewhere): with argv if it takes one, else under a
     patched sys.argv. The common options it does not know (--out, --device) are taken off; --out then
     redirects its module-level RESULTS folder where it has one. A `sys.exit("message")` (kernels
     without CUDA) prints the message and returns 1, with no traceback."""
     try:
-        module = importlib.import_module(f"benchmarks.{name}")
+        module = importlib.import_module(module_name(name))
     except ModuleNotFoundError as exc:
-        if exc.name != f"benchmarks.{name}":
+        if exc.name != module_name(name):
             raise
-        print(f"{PROG} {name}: benchmarks/{name}.py does not exist yet", file=sys.stderr)
+        print(f"{PROG} {name}: {module_name(name)} does not exist yet", file=sys.stderr)
         return 1
     source = _source(module)
     for option in ("--out", "--device"):
@@ -57,13 +64,13 @@ def _delegate(name: str, rest: list[str]) -> int:
             if option == "--out" and value is not None and hasattr(module, "RESULTS"):
                 module.RESULTS = Path(value)  # type: ignore[attr-defined]
             else:
-                print(f"{PROG} {name}: ignoring {option} {value} (benchmarks/{name}.py has no such option)",
+                print(f"{PROG} {name}: ignoring {option} {value} ({module_name(name)} has no such option)",
                       file=sys.stderr)
     try:
         if inspect.signature(module.main).parameters:
             rc = module.main(rest)
         else:
-            with _argv([f"benchmarks/{name}.py", *rest]):
+            with _argv([module_name(name), *rest]):
                 rc = module.main()
     except SystemExit as exc:
         if isinstance(exc.code, str):

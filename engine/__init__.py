@@ -1,4 +1,17 @@
-"""prefixserve engine: paged KV cache, prefix sharing, continuous batching. No HTTP, no Redis."""
+"""prefixserve engine: paged KV cache, prefix sharing, continuous batching. No HTTP, no Redis.
+
+The four faces, from the inside out:
+    core.py          EngineCore: tokens in, tokens out (schedule, run, sample, token-level stops)
+    llm_engine.py    LLMEngine: the core + text (output processor) + pins, driven by one thread
+    async_engine.py  AsyncEngine: the asyncio face the service uses (an engine thread, streams)
+    llm.py           LLM: the offline, vLLM-shaped user API
+and config.py (EngineConfig: every knob), sequence.py (SamplingParams and its ranges, requests,
+sequences), outputs.py (what comes back), errors.py (the engine's refusals).
+
+By concern: kv/ (blocks, block tables, KV backends), sched/ (scheduler, forks, pins), sample/ (sampler,
+logits processors, structured output), output/ (detokenizer, output processor), worker/ (model runner,
+compiled decode), models/ (model code, loaders, quantization).
+"""
 from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError, InvalidRequest, PinCapExceeded, QueueFull
 from engine.outputs import CompletionOutput, RequestOutput

@@ -19,7 +19,7 @@ Who owns what:
 - The loop owns the streams (RequestStream) and the pin futures. After each step the engine thread
   returns a _StepResult that the loop delivers.
 
-Outputs go to a RequestStream: one slot per request that merges deltas while the consumer lags
+Outputs go to a RequestStream: one pending output per request, merging deltas while the consumer lags
 (RequestOutput.merge), so delivery never blocks and the engine never waits for a slow client.
 """
 from __future__ import annotations

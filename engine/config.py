@@ -30,8 +30,9 @@ class EngineConfig:
     device: str = knob("cpu", "torch device: cpu, cuda, cuda:1, ...")
     dtype: str = knob("float32", "weights and KV cache dtype", DTYPES)
     quantization: str | None = knob(None, "weights kept quantized on the CPU: none, int8 (per row) or int4 (per group "
-                                          "of 32; GGUF Q4_0 / Q4_1 taken as they are). Default: the checkpoint's own "
-                                          "(int4 for a 4-bit GGUF, int8 for Q5-Q8, none otherwise)", QUANTIZATIONS)
+                                          "of 32; GGUF Q4_0 / Q4_1 nibbles kept as they are). Default: the "
+                                          "checkpoint's own (int4 for a 4-bit GGUF, int8 for Q5-Q8, none otherwise)",
+                                    QUANTIZATIONS)
     block_size: int = knob(16, "KV cache block size in tokens")
     num_kv_blocks: int | None = knob(None, "KV cache blocks (default: as many as --kv-cache-memory-gb holds)")
     kv_cache_memory_gb: float = knob(1.0, "KV cache budget in GiB, used when --num-kv-blocks is not given")

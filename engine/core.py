@@ -422,7 +422,7 @@ class EngineCore:
             self.finish_seq(seq, "length")
 
     def _grow_ahead(self, scheduled: list[ScheduledSeq]) -> None:
-        """For backends that prepare blocks ahead of need (KVStore.ahead_tokens > 0; vAttention maps pages
+        """For backends that prepare blocks ahead of need (KVStore.ahead_tokens > 0: a backend that maps pages
         while the forward pass runs): a sequence that samples this step (its next step is a decode) and
         would fill its last block within ahead_tokens gets its next block now. Only blocks to spare beyond
         the scheduler's watermark are used: growing ahead never preempts anything."""

@@ -19,6 +19,57 @@ if TYPE_CHECKING:
 GREEDY_TEMPERATURE = 1e-5
 
 
+@dataclass(frozen=True)
+class Range:
+    """A numeric field's allowed values: [lo, hi], `open_lo` making it (lo, hi]; None: unbounded."""
+
+    lo: float | None = None
+    hi: float | None = None
+    open_lo: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if self.lo is not None and (value <= self.lo if self.open_lo else value < self.lo):
+            return False
+        return self.hi is None or value <= self.hi
+
+    def describe(self) -> str:
+        lo, hi = _num(self.lo), _num(self.hi)
+        if self.hi is None:
+            return f"{'>' if self.open_lo else '>='} {lo}" if self.lo is not None else "any number"
+        return f"within {'(' if self.open_lo else '['}{lo}, {hi}]"
+
+
+def _num(x: float | None) -> str:
+    return str(int(x)) if x is not None and float(x).is_integer() else f"{x}"
+
+
+# NOTE: one table for both layers: SamplingParams checks these, and the service's request schema
+# (service/openai/schema.py) builds its field constraints (and /openapi.json) from the same entries.
+MAX_LOGPROBS = 20
+MAX_BEST_OF = 64
+SAMPLING_RANGES: dict[str, Range] = {
+    "n": Range(1, MAX_BEST_OF),
+    "best_of": Range(1, MAX_BEST_OF),
+    "temperature": Range(0.0, 100.0),
+    "top_p": Range(0.0, 1.0, open_lo=True),
+    "top_k": Range(-1),                         # -1 or 0: off
+    "min_p": Range(0.0, 1.0),
+    "seed": Range(-(2**63), 2**64 - 1),         # taken mod 2**64 (engine/sample/sampler.make_generator)
+    "max_tokens": Range(0),
+    "min_tokens": Range(0),
+    "logprobs": Range(0, MAX_LOGPROBS),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(0.0, 10.0, open_lo=True),
+    "length_penalty": Range(-10.0, 10.0),
+    "logit_bias": Range(-100.0, 100.0),         # each bias
+}
+_INTEGER = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -52,41 +103,30 @@ class SamplingParams:
         self.stop = [s for s in self.stop]
         if self.best_of is None:
             self.best_of = self.n
-        checks: list[tuple[bool, str, str]] = [
-            (isinstance(self.n, int) and self.n >= 1, "n", "n must be an integer >= 1"),
-            (isinstance(self.best_of, int) and self.best_of >= self.n, "best_of", "best_of must be >= n"),
-            (0.0 <= self.temperature <= 100.0, "temperature", "temperature must be within [0, 100]"),
-            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be within (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "top_k must be -1 (off) or >= 0"),
-            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
-             "max_tokens", "max_tokens must be an integer >= 0"),
+        checks: list[tuple[bool, str, str]] = []
+        for name, allowed in SAMPLING_RANGES.items():
+            value = getattr(self, name)
+            if name == "logit_bias":
+                ok = value is None or all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and b in allowed
+                                          for t, b in value.items())
+                checks.append((ok, name, f"logit_bias maps token ids to biases {allowed.describe()}"))
+                continue
+            kind = "an integer " if name in _INTEGER else ""
+            ok = value is None or (value in allowed and (name not in _INTEGER or isinstance(value, int)))
+            checks.append((ok, name, f"{name} must be {kind}{allowed.describe()}"))
+        checks += [
+            (self.best_of is None or self.best_of >= self.n, "best_of", "best_of must be >= n"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "stop_token_ids must be non-negative integers"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-             "logprobs", "logprobs must be within [0, 20]"),
-            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and
-                                              0 <= self.prompt_logprobs <= 20),
-             "prompt_logprobs", "prompt_logprobs must be within [0, 20]"),
             (self.prompt_logprobs is None or not self.use_beam_search, "prompt_logprobs",
              "prompt log-probabilities are not reported for beam search"),
-            (self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer"),
-            (self.best_of <= 64, "best_of", "best_of (and n) must be <= 64"),
             (not self.use_beam_search or (self.top_p == 1.0 and self.top_k in (-1, 0)), "use_beam_search",
              "beam search is deterministic: top_p and top_k cannot be set with it"),
             (self.early_stopping in (True, False, "never"), "early_stopping",
              "early_stopping must be true, false or \"never\""),
-            (-10.0 <= self.length_penalty <= 10.0, "length_penalty", "length_penalty must be within [-10, 10]"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be within [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be within [-2, 2]"),
-            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "repetition_penalty must be within (0, 10]"),
-            (self.logit_bias is None or all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
-                                            for t, b in self.logit_bias.items()), "logit_bias",
-             "logit_bias maps token ids to biases within [-100, 100]"),
-            (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "min_tokens must be <= max_tokens"),
-            (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be within [0, 1]"),
             (self.structured is None or not self.use_beam_search,
              self.structured.param if self.structured else "use_beam_search",
              "structured output is not supported with beam search"),

@@ -20,9 +20,9 @@ class ContiguousTorchBackend:
 
     def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, md: AttentionMetadata) -> None:
-        # key / value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: rows of the [slots * slot_len] view
-        key_cache.flatten(0, 1).index_copy_(0, md.slot_mapping, key.to(key_cache.dtype))
-        value_cache.flatten(0, 1).index_copy_(0, md.slot_mapping, value.to(value_cache.dtype))
+        # key / value: [num_tokens, num_kv_heads, head_dim]; kv_rows: rows of the [slots * slot_len] view
+        key_cache.flatten(0, 1).index_copy_(0, md.kv_rows, key.to(key_cache.dtype))
+        value_cache.flatten(0, 1).index_copy_(0, md.kv_rows, value.to(value_cache.dtype))
 
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:

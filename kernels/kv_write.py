@@ -15,7 +15,7 @@ import triton.language as tl
 def kv_write_kernel(
     KEY, VALUE,                # [num_tokens, num_kv_heads, head_dim]
     KEY_CACHE, VALUE_CACHE,    # [num_blocks, block_size, num_kv_heads, head_dim]
-    SLOT_MAPPING,              # [num_tokens] int64
+    KV_ROWS,                   # [num_tokens] int64: block * BLOCK_SIZE + offset, < 0: skip
     stride_k_tok, stride_k_head,
     stride_v_tok, stride_v_head,
     stride_kc_block, stride_kc_tok, stride_kc_head,
@@ -26,11 +26,11 @@ def kv_write_kernel(
 ):
     tok = tl.program_id(0)
     head_group = tl.program_id(1)
-    slot = tl.load(SLOT_MAPPING + tok).to(tl.int64)
-    if slot < 0:
+    row = tl.load(KV_ROWS + tok).to(tl.int64)
+    if row < 0:
         return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
+    block = row // BLOCK_SIZE
+    offset = row % BLOCK_SIZE
 
     offs_h = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -47,21 +47,21 @@ def kv_write_kernel(
 
 
 def kv_write(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write key / value [num_tokens, num_kv_heads, head_dim] into the caches at slot_mapping [num_tokens]."""
+             kv_rows: torch.Tensor) -> None:
+    """Write key / value [num_tokens, num_kv_heads, head_dim] into the caches at kv_rows [num_tokens]."""
     assert key_cache.shape == value_cache.shape and key_cache.dtype == value_cache.dtype
     assert key_cache.dim() == 4, "cache must be [num_blocks, block_size, num_kv_heads, head_dim]"
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     assert key.shape == value.shape and key.dim() == 3 and key.shape[1:] == (num_kv_heads, head_dim), \
         f"key {tuple(key.shape)} does not match cache heads/dim ({num_kv_heads}, {head_dim})"
     assert key.dtype.is_floating_point and value.dtype.is_floating_point
-    assert slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0]
-    assert slot_mapping.dtype in (torch.int32, torch.int64)
+    assert kv_rows.dim() == 1 and kv_rows.shape[0] == key.shape[0]
+    assert kv_rows.dtype in (torch.int32, torch.int64)
     # The last dim must be unit-stride (vectorized rows); heads and tokens may be strided
     # (e.g. key / value sliced out of a fused qkv projection).
     for t in (key, value, key_cache, value_cache):
         assert t.stride(-1) == 1, "head_dim must be the contiguous dimension"
-    assert key.device == key_cache.device == slot_mapping.device
+    assert key.device == key_cache.device == kv_rows.device
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
@@ -73,7 +73,7 @@ def kv_write(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // head_dim_pad))  # <= 4K elements
     kv_write_kernel[(num_tokens, triton.cdiv(num_kv_heads, block_h))](
-        key, value, key_cache, value_cache, slot_mapping,
+        key, value, key_cache, value_cache, kv_rows,
         key.stride(0), key.stride(1),
         value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

@@ -18,8 +18,9 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor     # [num_tokens] int64: where each new token's K/V row goes: block_id *
+    kv_rows: torch.Tensor          # [num_tokens] int64: the cache row each new token's K/V goes to: block_id *
                                    # block_size + offset (paged); slot * slot_len + position (contiguous)
+                                   # (vLLM's "slot_mapping"; here "slot" means only a vAttention slot)
     block_tables: torch.Tensor     # [num_seqs, max_blocks] int32, rows padded with 0 past the sequence's blocks
                                    # (paged; [num_seqs, 0] for contiguous caches)
     seq_lens: torch.Tensor         # [num_seqs] int32: context length including this step's tokens

@@ -18,8 +18,8 @@ class TorchAttentionBackend:
                  value: torch.Tensor, md: AttentionMetadata) -> None:
         # key / value: [num_tokens, num_kv_heads, head_dim]
         _, _, h, d = key_cache.shape
-        key_cache.view(-1, h, d).index_copy_(0, md.slot_mapping, key.to(key_cache.dtype))
-        value_cache.view(-1, h, d).index_copy_(0, md.slot_mapping, value.to(value_cache.dtype))
+        key_cache.view(-1, h, d).index_copy_(0, md.kv_rows, key.to(key_cache.dtype))
+        value_cache.view(-1, h, d).index_copy_(0, md.kv_rows, value.to(value_cache.dtype))
 
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:

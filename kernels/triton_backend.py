@@ -21,7 +21,7 @@ class TritonAttentionBackend:
     def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, md: AttentionMetadata) -> None:
         # key / value: [num_tokens, num_kv_heads, head_dim]
-        kv_write(key_cache, value_cache, key, value, md.slot_mapping)
+        kv_write(key_cache, value_cache, key, value, md.kv_rows)
 
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -39,7 +39,7 @@ class TritonAttentionBackend:
 
 class ContiguousTritonBackend(TritonAttentionBackend):
     """Caches are [num_slots, slot_len, Hkv, D] (kernels/contiguous_torch.py has the layout). write_kv is
-    the paged one's (kv_write treats a slot as one block of slot_len tokens, slot_mapping being
+    the paged one's (kv_write treats a slot as one block of slot_len tokens, kv_rows being
     slot * slot_len + position); the attention kernels run in their CONTIGUOUS mode."""
 
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

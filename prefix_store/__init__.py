@@ -1,28 +1,38 @@
-"""Prefix registry metadata: named prefixes, replica heartbeats and change announcements.
+"""The named-prefix domain: registered prefixes, pinned on every replica, their metadata in a store.
 
-`MemoryPrefixStore` is the embedded default (one process); `RedisPrefixStore` is shared by every
-replica (build one with `prefix_store.redis.connect(url)`). No torch here.
+    registry.py   PrefixRegistry: pin-then-record, resync from the store, heartbeats, the local view
+                  requests resolve names in (snapshot), per-prefix counters
+    base.py       PrefixRecord, ReplicaInfo, PrefixEvent and the PrefixStore protocol
+    memory.py     MemoryPrefixStore: the embedded default (one process, nothing to start)
+    redis.py      RedisPrefixStore: shared by every replica (msgpack values, MULTI/EXEC, pub/sub)
+    errors.py     RegistryError and its kinds (not found, full, invalid, conflict, store unavailable)
+
+No torch and no HTTP here: the registry pins through the engine it is given (a `Pinner`, the
+AsyncEngine), and service/routes/prefixes.py is its HTTP face.
 """
-from prefix_store.base import (
+from prefix_store.base import PrefixEvent, PrefixRecord, PrefixStore, ReplicaInfo
+from prefix_store.errors import (
+    InvalidPrefix,
     PrefixConflict,
-    PrefixEvent,
-    PrefixRecord,
-    PrefixStore,
-    PrefixStoreError,
-    ReplicaInfo,
+    PrefixNotFound,
+    RegistryError,
+    RegistryFull,
     StoreUnavailable,
 )
 from prefix_store.memory import MemoryPrefixStore
 from prefix_store.redis import RedisPrefixStore
 
 __all__ = [
+    "InvalidPrefix",
     "MemoryPrefixStore",
     "PrefixConflict",
     "PrefixEvent",
+    "PrefixNotFound",
     "PrefixRecord",
     "PrefixStore",
-    "PrefixStoreError",
     "RedisPrefixStore",
+    "RegistryError",
+    "RegistryFull",
     "ReplicaInfo",
     "StoreUnavailable",
 ]

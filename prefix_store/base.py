@@ -1,4 +1,4 @@
-"""The prefix registry's value objects, errors and the `PrefixStore` protocol every backend implements.
+"""The prefix registry's value objects and the `PrefixStore` protocol every store implements.
 
 A registered prefix is keyed by (model fingerprint, name): replicas serving different models or
 tokenizers share one Redis without seeing each other's token ids.
@@ -13,25 +13,6 @@ from typing import Any, Literal, Protocol
 
 EventKind = Literal["registered", "deleted", "resync"]
 SOURCE_KEYS = ("prompt", "messages", "token_ids")
-
-
-class PrefixStoreError(Exception):
-    """Base class of the errors a `PrefixStore` raises."""
-
-
-class PrefixConflict(PrefixStoreError):
-    """The name is taken by a prefix with different content (HTTP 409). `existing` is the stored one."""
-
-    def __init__(self, existing: PrefixRecord) -> None:
-        super().__init__(
-            f"prefix {existing.name!r} is already registered with different content "
-            f"({len(existing.token_ids)} tokens); delete it first to replace it"
-        )
-        self.existing = existing
-
-
-class StoreUnavailable(PrefixStoreError):
-    """The backend cannot be reached or did not answer in time (HTTP 503); the caller may retry."""
 
 
 @dataclass

@@ -1,10 +1,15 @@
-"""The prefix registry's domain errors. The registry raises them; service/errors.py maps them to HTTP
-(with the prefix store's PrefixConflict and StoreUnavailable)."""
+"""The named-prefix domain's errors: one base, raised by the stores and the registry alike.
+service/errors.py maps each to its HTTP answer (the status in each docstring)."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefix_store.base import PrefixRecord
 
 
 class RegistryError(Exception):
-    """A registry operation refused; `param` names the offending request field."""
+    """A registry or store operation refused; `param` names the offending request field, if any."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -22,3 +27,16 @@ class RegistryFull(RegistryError):
 
 class InvalidPrefix(RegistryError):
     """The prefix itself cannot be registered: empty, too long for the model (HTTP 400)."""
+
+
+class PrefixConflict(RegistryError):
+    """The name is taken by a prefix with different content (HTTP 409). `existing` is the stored one."""
+
+    def __init__(self, existing: PrefixRecord) -> None:
+        super().__init__(f"prefix {existing.name!r} is already registered with different content "
+                         f"({len(existing.token_ids)} tokens); delete it first to replace it", param="name")
+        self.existing = existing
+
+
+class StoreUnavailable(RegistryError):
+    """The store cannot be reached or did not answer in time (HTTP 503); the caller may retry."""

@@ -11,7 +11,8 @@ import copy
 import time
 from collections.abc import AsyncGenerator
 
-from prefix_store.base import PrefixConflict, PrefixEvent, PrefixRecord, ReplicaInfo, StoreUnavailable
+from prefix_store.base import PrefixEvent, PrefixRecord, ReplicaInfo
+from prefix_store.errors import PrefixConflict, StoreUnavailable
 
 
 class MemoryPrefixStore:

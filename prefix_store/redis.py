@@ -31,7 +31,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError, WatchError
 
-from prefix_store.base import PrefixConflict, PrefixEvent, PrefixRecord, ReplicaInfo, StoreUnavailable
+from prefix_store.base import PrefixEvent, PrefixRecord, ReplicaInfo
+from prefix_store.errors import PrefixConflict, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,9 @@
 """PrefixRegistry: named prefixes, pinned in this replica's KV cache, their metadata in a PrefixStore.
 
+Pin then record: a registration pins the prefix's blocks through the engine first and writes the
+record only once they are pinned (a failed write unpins), so the store never names a prefix no replica
+could pin; a caller that goes away does not cut the two apart (the work is shielded).
+
 The store (Redis, or the embedded one) is the source of truth; every replica keeps a local view of the
 records for its model fingerprint and pins exactly those. Announcements on the store's channel and a
 full resync (at start, and whenever the channel reconnects) keep the pinned set equal on every replica.
@@ -15,12 +19,10 @@ import time
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from engine.async_engine import AsyncEngine
-from engine.errors import EngineError
-from prefix_store import PrefixConflict, PrefixRecord, PrefixStore, ReplicaInfo, StoreUnavailable
-from prefix_store.errors import InvalidPrefix, PrefixNotFound, RegistryFull
+from prefix_store.base import PrefixRecord, PrefixStore, ReplicaInfo
+from prefix_store.errors import InvalidPrefix, PrefixConflict, PrefixNotFound, RegistryFull, StoreUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,6 +40,48 @@ def _log_orphan(task: asyncio.Task[Any]) -> None:
         log.info("a registry operation whose caller left ended with: %s", task.exception())
 
 
+class Pinned(Protocol):
+    @property
+    def num_pinned_blocks(self) -> int: ...
+
+    @property
+    def block_hashes(self) -> list[str]: ...
+
+
+class Load(Protocol):
+    @property
+    def requests_running(self) -> int: ...
+
+    @property
+    def requests_waiting(self) -> int: ...
+
+
+class Pinner(Protocol):
+    """What the registry needs of the engine (the AsyncEngine is one): pins, and what it serves."""
+
+    fingerprint: str
+    tokenizer_version: str
+    block_size: int
+    max_model_len: int
+    model_name: str
+
+    async def pin_prefix(self, token_ids: list[int]) -> Pinned: ...
+
+    async def unpin_prefix(self, token_ids: list[int]) -> int: ...
+
+    def stats(self) -> Load: ...
+
+
+@dataclass(frozen=True)
+class PrefixSnapshot:
+    """What a request needs of a registered prefix, copied out of the local view (on the event loop) for
+    the tokenizer thread: immutable, so the registry may change meanwhile."""
+
+    name: str
+    token_ids: tuple[int, ...]
+    messages: tuple[dict[str, Any], ...] | None      # its source, when it was registered with messages
+
+
 @dataclass
 class LocalPrefix:
     record: PrefixRecord
@@ -47,7 +91,7 @@ class LocalPrefix:
 
 
 class PrefixRegistry:
-    def __init__(self, store: PrefixStore, engine: AsyncEngine, address: str = "",
+    def __init__(self, store: PrefixStore, engine: Pinner, address: str = "",
                  heartbeat_interval: float = 2.0, max_prefixes: int = 1024) -> None:
         self.store = store
         self.engine = engine
@@ -151,8 +195,10 @@ class PrefixRegistry:
     async def _pin_local(self, record: PrefixRecord) -> None:
         try:
             pinned = await self.engine.pin_prefix(record.token_ids)
-        except EngineError as exc:
-            log.error("cannot pin registered prefix %r here: %s", record.name, exc.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:            # the engine's refusal (the pin cap): serve without it, say why
+            log.error("cannot pin registered prefix %r here: %s", record.name, exc)
             return
         self.local[record.name] = LocalPrefix(record, pinned.num_pinned_blocks)
 
@@ -222,11 +268,15 @@ class PrefixRegistry:
         if not deleted and not present:
             raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
 
-    def resolve(self, name: str) -> PrefixRecord:
+    def snapshot(self, name: str) -> PrefixSnapshot:
+        """The named prefix as a request uses it; PrefixNotFound if it is not pinned here. Names resolve in
+        this replica's local view, never in the store: the store is not on the per-request path."""
         entry = self.local.get(name)
         if entry is None:
             raise PrefixNotFound(f"prefix {name!r} is not registered", param="prefix")
-        return entry.record
+        messages = entry.record.source.get("messages")
+        return PrefixSnapshot(name, tuple(entry.record.token_ids),
+                              tuple(dict(m) for m in messages) if isinstance(messages, list) else None)
 
     def record_use(self, name: str, cached_tokens: int) -> tuple[int, int]:
         """Counts a request that named the prefix; returns (hit 0/1, tokens saved) for the metrics."""

@@ -1,4 +1,18 @@
-"""prefixserve's HTTP face: aiohttp on uvloop, OpenAI-compatible SSE, a multiplexed WebSocket, metrics, demo page."""
+"""prefixserve's HTTP face: aiohttp on uvloop, OpenAI-compatible SSE, a multiplexed WebSocket, metrics, demo page.
+
+    app.py        the application: middlewares, routes, the engine's lifetime (cleanup_ctx)
+    state.py      ServiceState: the engine once loaded, the registry, the drain flag; `ready()` per request
+    config.py     ServiceConfig (holding the EngineConfig); flags.py: flags and PREFIXSERVE_* from both
+    errors.py     the OpenAI error shape and the one mapping of domain errors to HTTP
+    logs.py       text or JSON log lines
+    middleware/   access log, metrics, cross-site, keys, security headers
+    openai/       the generation API: the request pipeline, schema, chat and completions
+    routes/       prefixes, WebSocket, tokenize, status, the router's worker API, OpenAPI
+    static/       the demo page
+
+The service talks to the engine through AsyncEngine's public API only, and to the named-prefix domain
+(prefix_store/) through its registry. `python -m service` runs the `prefixserve` CLI (cli.py).
+"""
 
 from importlib.metadata import PackageNotFoundError, version
 

@@ -1,4 +1,7 @@
-"""`python -m service [flags]` is `prefixserve serve [flags]`; `python -m service generate ...` also works."""
+"""`python -m service [flags]` is `prefixserve serve [flags]`; `python -m service generate ...` also works.
+
+An entry script, not part of the service library: it hands over to the CLI (cli.py), which sits above
+the service."""
 import sys
 
 from cli import main

@@ -1,5 +1,15 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, and the middleware that
-turns every failure into one. Bad input is a 4xx; a 500 means a bug in prefixserve, and is logged."""
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, the one mapping from the
+domains' errors to HTTP, and the middleware that turns every failure into an answer.
+
+Errors are raised where their meaning lives and become HTTP here only (STYLE 20):
+
+    engine.errors.EngineError          the engine's refusals (bad request, queue full, pin cap, dead)
+    prefix_store.errors.RegistryError  the named-prefix domain's (not found, full, conflict, store down)
+    ApiError                           the service's own (schema, limits, timeouts), already HTTP
+
+`to_api_error` maps the first two by class through one table; bad input is a 4xx, and a 500 means a
+bug in prefixserve (logged).
+"""
 from __future__ import annotations
 
 import logging
@@ -9,8 +19,14 @@ from typing import Any
 from aiohttp import web
 
 from engine.errors import CapacityExceeded, EngineDead, EngineError, InvalidRequest, PinCapExceeded, QueueFull
-from prefix_store import PrefixConflict, StoreUnavailable
-from prefix_store.errors import InvalidPrefix, PrefixNotFound, RegistryError, RegistryFull
+from prefix_store.errors import (
+    InvalidPrefix,
+    PrefixConflict,
+    PrefixNotFound,
+    RegistryError,
+    RegistryFull,
+    StoreUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,38 +57,36 @@ def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def from_engine(exc: EngineError) -> ApiError:
-    """Maps the engine's boundary errors to HTTP: 400, 429 (with Retry-After), 507, 503, else 500."""
-    if isinstance(exc, InvalidRequest):
-        return ApiError(400, exc.message, param=exc.param)
-    if isinstance(exc, QueueFull):
-        return ApiError(429, exc.message, type="rate_limit_error", code="queue_full",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(exc, CapacityExceeded):
-        return ApiError(429, exc.message, type="rate_limit_error", code="kv_cache_full",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(exc, PinCapExceeded):
-        return ApiError(507, exc.message, type="insufficient_storage", param=exc.param, code="pin_cap_exceeded")
-    if isinstance(exc, EngineDead):
-        return ApiError(503, exc.message, type="service_unavailable", code="engine_dead")
-    return ApiError(500, exc.message, type="internal_error", code="engine_error")
+# class -> (status, type, code, headers); the first class an error is an instance of wins.
+_HTTP: list[tuple[type[Exception], int, str, str | None, dict[str, str]]] = [
+    (InvalidRequest, 400, "invalid_request_error", None, {}),
+    (QueueFull, 429, "rate_limit_error", "queue_full", {"Retry-After": str(RETRY_AFTER_S)}),
+    (CapacityExceeded, 429, "rate_limit_error", "kv_cache_full", {"Retry-After": str(RETRY_AFTER_S)}),
+    (PinCapExceeded, 507, "insufficient_storage", "pin_cap_exceeded", {}),
+    (EngineDead, 503, "service_unavailable", "engine_dead", {}),
+    (EngineError, 500, "internal_error", "engine_error", {}),
+    (PrefixNotFound, 404, "not_found_error", "prefix_not_found", {}),
+    (RegistryFull, 507, "insufficient_storage", "registry_full", {}),
+    (InvalidPrefix, 400, "invalid_request_error", "invalid_prefix", {}),
+    (PrefixConflict, 409, "conflict_error", "prefix_conflict", {}),
+    (StoreUnavailable, 503, "service_unavailable", "prefix_store_unavailable", {"Retry-After": "2"}),
+    (RegistryError, 400, "invalid_request_error", None, {}),
+]
 
 
-def from_registry(exc: RegistryError | PrefixConflict | StoreUnavailable) -> ApiError:
-    """Maps the prefix registry's domain errors to HTTP: 404, 400, 409, 503."""
-    if isinstance(exc, PrefixNotFound):
-        return ApiError(404, exc.message, type="not_found_error", param=exc.param, code="prefix_not_found")
-    if isinstance(exc, RegistryFull):
-        return ApiError(507, exc.message, type="insufficient_storage", param=exc.param, code="registry_full")
-    if isinstance(exc, InvalidPrefix):
-        return ApiError(400, exc.message, param=exc.param, code="invalid_prefix")
-    if isinstance(exc, PrefixConflict):
-        return ApiError(409, str(exc), type="conflict_error", param="name", code="prefix_conflict")
-    if isinstance(exc, StoreUnavailable):
-        return ApiError(503, f"the prefix store is unavailable ({exc}); registry writes are refused until it is "
-                        "back, generation is not affected", type="service_unavailable",
-                        code="prefix_store_unavailable", headers={"Retry-After": "2"})
-    return ApiError(400, exc.message, param=exc.param)
+def to_api_error(exc: ApiError | EngineError | RegistryError) -> ApiError:
+    """The HTTP answer of a domain error (an ApiError is its own)."""
+    if isinstance(exc, ApiError):
+        return exc
+    for cls, status, kind, code, headers in _HTTP:
+        if isinstance(exc, cls):
+            message = exc.message
+            if isinstance(exc, StoreUnavailable):
+                message = (f"the prefix store is unavailable ({exc.message}); registry writes are refused until it "
+                           "is back, generation is not affected")
+            param = exc.param if not isinstance(exc, EngineDead | QueueFull | CapacityExceeded) else None
+            return ApiError(status, message, type=kind, param=param, code=code, headers=dict(headers))
+    raise TypeError(f"not a domain error: {exc!r}")
 
 
 _HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
@@ -83,12 +97,8 @@ async def error_middleware(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     try:
         return await handler(request)
-    except ApiError as exc:
-        return exc.response()
-    except EngineError as exc:
-        return from_engine(exc).response()
-    except (RegistryError, PrefixConflict, StoreUnavailable) as exc:
-        return from_registry(exc).response()
+    except (ApiError, EngineError, RegistryError) as exc:
+        return to_api_error(exc).response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

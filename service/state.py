@@ -1,4 +1,5 @@
-"""ServiceState: what the handlers share: the config, the engine once it is loaded, the drain flag."""
+"""ServiceState: what the handlers share (the config, the engine once it is loaded, the registry, the drain
+flag), and `ready()`: everything a request needs of it, taken in one call, or the 503 that says why not."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -10,11 +11,27 @@ from aiohttp import web
 from service.config import ServiceConfig
 from service.errors import ApiError
 from service.openai.logprobs import TokenText
-from service.openai.pipeline import tokenizer_executor
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from prefix_store.registry import PrefixRegistry
+
+
+def tokenizer_executor() -> ThreadPoolExecutor:
+    """The one thread that parses, renders and tokenizes request bodies (never the event loop)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A ready service, as one request sees it."""
+
+    engine: AsyncEngine
+    registry: PrefixRegistry | None       # None only between the engine's start and the first resync
+    config: ServiceConfig
+    model_name: str
+    executor: ThreadPoolExecutor          # the tokenizer thread
+    token_text: TokenText                 # token id -> text and bytes, for logprobs
 
 
 @dataclass
@@ -27,13 +44,6 @@ class ServiceState:
     tokenizer_executor: ThreadPoolExecutor = field(default_factory=tokenizer_executor, repr=False)
     _token_text: TokenText | None = field(default=None, repr=False)
 
-    def token_text(self) -> TokenText:
-        """Token id -> string and bytes for logprobs; built on first use, cached for the engine's tokenizer."""
-        engine = self.ready_engine()
-        if self._token_text is None:
-            self._token_text = TokenText(engine.tokenizer)
-        return self._token_text
-
     @property
     def model_name(self) -> str:
         if self.config.served_model_name:
@@ -41,8 +51,15 @@ class ServiceState:
         return self.engine.model_name if self.engine is not None else ""
 
     @property
-    def ready(self) -> bool:
+    def is_ready(self) -> bool:
         return self.engine is not None and self.engine.is_running and not self.draining
+
+    def ready(self) -> Ready:
+        """What a request needs, or a 503 while warming, draining or dead."""
+        engine = self.ready_engine()
+        if self._token_text is None:
+            self._token_text = TokenText(engine.tokenizer)
+        return Ready(engine, self.registry, self.config, self.model_name, self.tokenizer_executor, self._token_text)
 
     def ready_engine(self) -> AsyncEngine:
         """The engine, or a 503 while warming, draining or dead."""

@@ -3,7 +3,8 @@
     int4   the projections of every layer as 4-bit weights with a scale and a zero per group of 32
            (torch's `_weight_int4pack_mm_for_cpu`, tinygemm's convention: w = (q - 8) * scale + zero).
            GGUF Q4_0 / Q4_1 blocks are exactly this form (Q4_1: q * d + m, so scale = d, zero = m + 8 d;
-           Q4_0: (q - 8) * d, zero 0) and are taken as they are, nibbles and scales, not re-quantized.
+           Q4_0: (q - 8) * d, zero 0): their nibbles are taken as they are, not re-quantized; scale and zero
+           are rounded from float16 to bfloat16, the kernel's format (so: the GGUF's weights up to that rounding).
            Other weights (K-quants, F16, F32) are quantized round-to-nearest, min/max per group.
     int8   8-bit weights with one scale per output row (`_weight_int8pack_mm`), round-to-nearest.
 
@@ -108,7 +109,7 @@ class QuantLogits(nn.Module):
         return logits.scatter_(1, top, exact)
 
 
-# -- GGUF blocks, as they are ---------------------------------------------------------------------
+# -- GGUF blocks, nibbles as they are ------------------------------------------------------------------
 def gguf_q4(raw: np.ndarray, type_name: str, rows: int, cols: int) -> tuple[torch.Tensor, ...] | None:
     """(q [rows, cols] 0..15, scale, zero [rows, cols // 32]) of a Q4_0 / Q4_1 tensor's raw blocks, or
     None for other types. Block layouts (ggml): Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]};

@@ -1,0 +1,6 @@
+"""From logits to tokens.
+
+    sampler.py            greedy, temperature, top-k, top-p, min-p, per-request seeds, log-probabilities
+    logits_processors.py  logit_bias, min_tokens, repetition / presence / frequency penalties, batched
+    structured.py         structured output: xgrammar grammars (compiled once, cached) and their masks
+"""

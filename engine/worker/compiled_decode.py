@@ -88,7 +88,7 @@ class CompiledDecode:
         t = time.perf_counter()
         dev = key_caches[0].device
         empty = AttentionMetadata(
-            slot_mapping=torch.zeros(0, dtype=torch.long, device=dev),
+            kv_rows=torch.zeros(0, dtype=torch.long, device=dev),
             block_tables=torch.zeros((0, 0), dtype=torch.int32, device=dev),
             seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
             query_start_loc=torch.zeros(1, dtype=torch.int32, device=dev),

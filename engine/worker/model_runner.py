@@ -1,7 +1,7 @@
 """Builds one flattened batch per step (no padding), runs the model, and returns the logits of the rows that sample.
 
 Per step the runner builds, with numpy rather than per-token Python loops:
-  input_ids [T], positions [T], slot_mapping [T], seq_lens [S], query_start_loc [S + 1], and
+  input_ids [T], positions [T], kv_rows [T], seq_lens [S], query_start_loc [S + 1], and
   logits_indices [N]: the last token of each sequence that samples; the KV cache adds where the tokens
   live (engine/kv/backends/base.Addressing): block_tables [S, max_blocks] (paged) or slot_ids [S] (vAttention).
 """
@@ -69,7 +69,7 @@ class ModelRunner:
         dev = self.device
         tables = where.block_tables if where.block_tables is not None else np.zeros((len(batch), 0), np.int32)
         md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(where.rows).to(dev),
+            kv_rows=torch.from_numpy(where.kv_rows).to(dev),
             block_tables=torch.from_numpy(tables).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),

@@ -1,0 +1,10 @@
+"""The OpenAI-compatible generation API: one request pipeline, and each surface's shape of the answer.
+
+    pipeline.py      ready -> read -> parse -> prefix -> limits -> tokenize -> grammar -> submit -> answer
+    schema.py        one typed model per request body (validation and /openapi.json)
+    params.py        a validated body's meaning: SamplingParams and the response options
+    render.py        token ids: chat templates, completion prompts, the named prefix composed in
+    generation.py    one request's engine requests as OpenAI choices (deltas, usage)
+    chat.py, completions.py   the two surfaces' shaping (chunks and bodies)
+    sse.py, logprobs.py, tools.py   server-sent events, logprobs in both shapes, tool calls
+"""

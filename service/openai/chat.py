@@ -1,60 +1,63 @@
-"""POST /v1/chat/completions: messages through the model's chat template, streaming or not."""
+"""POST /v1/chat/completions: messages through the model's chat template, streaming or not.
+
+This module is only the chat shape of an answer (roles, tool calls, chat logprobs); every other step is
+the request pipeline's (service/openai/pipeline.py)."""
 from __future__ import annotations
 
 from typing import Any
 
 from aiohttp import web
 
+from service.openai import pipeline
 from service.openai.generation import ChoiceDelta, Generation
 from service.openai.logprobs import chat_logprobs
-from service.openai.params import read_body
-from service.openai.respond import prepare, respond
+from service.openai.pipeline import Prepared
 from service.openai.tools import ToolCallStream
-from service.state import STATE
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    state.ready_engine()                      # 503 before reading a body while warming
-    raw = await read_body(request, state.config.body_timeout)
-    model = state.model_name
-    prepared, (prompt,) = await prepare(request.app, raw, chat=True)
-    req = prepared.req
-    started: set[int] = set()      # choices whose first chunk (with the role) went out
-    top_k = req.params.logprobs
-    tokens = state.token_text() if top_k is not None else None
+    return await pipeline.serve(request, chat=True, shaper=ChatShaper)
 
-    def logprobs(d: ChoiceDelta) -> dict[str, Any] | None:
-        if tokens is None or top_k is None:
+
+class ChatShaper:
+    def __init__(self, prepared: Prepared) -> None:
+        self.req = prepared.req
+        self.model = prepared.ready.model_name
+        self.top_k = self.req.params.logprobs
+        self.tokens = prepared.ready.token_text if self.top_k is not None else None
+        self.plan = self.req.tools
+        self.started: set[int] = set()                  # choices whose first chunk (with the role) went out
+        self.calling: dict[int, ToolCallStream] = {}    # choice -> its tool-call state (requests with tools)
+
+    def _logprobs(self, d: ChoiceDelta) -> dict[str, Any] | None:
+        if self.tokens is None or self.top_k is None:
             return None
-        return chat_logprobs(tokens, d.token_ids, d.logprobs or [], top_k)
+        return chat_logprobs(self.tokens, d.token_ids, d.logprobs or [], self.top_k)
 
-    def head(gen: Generation) -> dict[str, Any]:
+    def head(self, gen: Generation) -> dict[str, Any]:
         return {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,
-                "model": model}
+                "model": self.model}
 
-    plan = req.tools
-    calling: dict[int, ToolCallStream] = {}     # choice -> its tool-call state (requests with tools)
-
-    def chunks(gen: Generation, d: ChoiceDelta) -> list[dict[str, Any]]:
+    def chunks(self, gen: Generation, d: ChoiceDelta) -> list[dict[str, Any]]:
+        plan, req = self.plan, self.req
         if plan is None:
             deltas: list[dict[str, Any]] = [{"content": d.text}] if d.text or d.finish_reason is None else [{}]
         else:
-            stream = calling.setdefault(d.index, ToolCallStream(plan))
+            stream = self.calling.setdefault(d.index, ToolCallStream(plan))
             deltas = stream.feed(d.text, d.finish_reason is not None) or [{}]
         finish = d.finish_reason
-        if plan is not None and finish == "stop" and calling[d.index].has_calls:
+        if plan is not None and finish == "stop" and self.calling[d.index].has_calls:
             finish = "tool_calls"
         out = []
         for i, delta in enumerate(deltas):
-            if d.index not in started:
-                started.add(d.index)
+            if d.index not in self.started:
+                self.started.add(d.index)
                 delta = {"role": "assistant", "content": None if "tool_calls" in delta else "", **delta}
             last = i == len(deltas) - 1
             if not delta and not last:
                 continue
-            chunk: dict[str, Any] = {**head(gen), "choices": [
-                {"index": d.index, "delta": delta, "logprobs": logprobs(d) if last else None,
+            chunk: dict[str, Any] = {**self.head(gen), "choices": [
+                {"index": d.index, "delta": delta, "logprobs": self._logprobs(d) if last else None,
                  "finish_reason": finish if last else None}]}
             if req.return_token_ids:
                 chunk["choices"][0]["token_ids"] = d.token_ids if last else []
@@ -63,7 +66,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             out.append(chunk)
         return out
 
-    def message(c: ChoiceDelta) -> tuple[dict[str, Any], str | None]:
+    def _message(self, c: ChoiceDelta) -> tuple[dict[str, Any], str | None]:
+        plan = self.plan
         if plan is None:
             return {"role": "assistant", "content": c.text}, c.finish_reason
         content, calls = plan.calls(c.text)
@@ -72,15 +76,13 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
         return {"role": "assistant", "content": content, "tool_calls": [t.as_dict() for t in calls]}, finish
 
-    def body_of(gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]:
+    def body(self, gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]:
         items = []
         for c in choices:
-            msg, finish = message(c)
-            items.append({"index": c.index, "message": msg, "logprobs": logprobs(c), "finish_reason": finish,
-                          **({"token_ids": c.token_ids} if req.return_token_ids else {})})
-        out = {**head(gen), "object": "chat.completion", "choices": items}
-        if req.return_token_ids:
+            msg, finish = self._message(c)
+            items.append({"index": c.index, "message": msg, "logprobs": self._logprobs(c), "finish_reason": finish,
+                          **({"token_ids": c.token_ids} if self.req.return_token_ids else {})})
+        out = {**self.head(gen), "object": "chat.completion", "choices": items}
+        if self.req.return_token_ids:
             out["prompt_token_ids"] = gen.prompts[0]
         return out
-
-    return await respond(request, [prompt], req, head=head, chunks=chunks, body=body_of)

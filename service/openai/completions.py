@@ -1,51 +1,48 @@
-"""POST /v1/completions (OpenAI legacy completions), streaming or not."""
+"""POST /v1/completions (OpenAI legacy completions), streaming or not.
+
+This module is only the completions shape of an answer; every other step is the request pipeline's
+(service/openai/pipeline.py)."""
 from __future__ import annotations
 
 from typing import Any
 
 from aiohttp import web
 
+from service.openai import pipeline
 from service.openai.generation import ChoiceDelta, Generation
 from service.openai.logprobs import CompletionLogprobs
-from service.openai.params import GenerationRequest, read_body
-from service.openai.respond import prepare, respond
-from service.openai.schema import CompletionRequest
-from service.state import STATE
+from service.openai.pipeline import Prepared
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    state.ready_engine()                      # 503 before reading a body while warming
-    raw = await read_body(request, state.config.body_timeout)
-    model = state.model_name
-    prepared, prompts = await prepare(request.app, raw, chat=False)
-    req = prepared.req
-    logprobs = CompletionLogprobs(state.token_text()) if req.params.logprobs is not None else None
+    return await pipeline.serve(request, chat=False, shaper=CompletionShaper)
 
-    def head(gen: Generation) -> dict[str, Any]:
-        return {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": model}
 
-    def chunks(gen: Generation, d: ChoiceDelta) -> list[dict[str, Any]]:
-        chunk = {**head(gen), "choices": [_choice(d, req, logprobs)]}
-        if req.include_usage:
+class CompletionShaper:
+    def __init__(self, prepared: Prepared) -> None:
+        self.req = prepared.req
+        self.model = prepared.ready.model_name
+        self.logprobs = CompletionLogprobs(prepared.ready.token_text) if self.req.params.logprobs is not None \
+            else None
+
+    def head(self, gen: Generation) -> dict[str, Any]:
+        return {"id": f"cmpl-{gen.id}", "object": "text_completion", "created": gen.created, "model": self.model}
+
+    def chunks(self, gen: Generation, d: ChoiceDelta) -> list[dict[str, Any]]:
+        chunk = {**self.head(gen), "choices": [self._choice(d)]}
+        if self.req.include_usage:
             chunk["usage"] = None
         return [chunk]
 
-    def body_of(gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]:
-        out = {**head(gen), "choices": [_choice(c, req, logprobs) for c in choices]}
-        if req.return_token_ids:
+    def body(self, gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]:
+        out = {**self.head(gen), "choices": [self._choice(c) for c in choices]}
+        if self.req.return_token_ids:
             out["prompt_token_ids"] = gen.prompts
         return out
 
-    assert isinstance(prepared.body, CompletionRequest)
-    prompt = prepared.body.prompt
-    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)] or None
-    return await respond(request, prompts, req, head=head, chunks=chunks, body=body_of, texts=texts)
-
-
-def _choice(d: ChoiceDelta, req: GenerationRequest, logprobs: CompletionLogprobs | None) -> dict[str, Any]:
-    lp = logprobs.format(d.index, d.token_ids, d.logprobs or []) if logprobs is not None else None
-    c: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-    if req.return_token_ids:
-        c["token_ids"] = d.token_ids
-    return c
+    def _choice(self, d: ChoiceDelta) -> dict[str, Any]:
+        lp = self.logprobs.format(d.index, d.token_ids, d.logprobs or []) if self.logprobs is not None else None
+        c: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+        if self.req.return_token_ids:
+            c["token_ids"] = d.token_ids
+        return c

@@ -1,31 +1,24 @@
-"""From validated request models (service/schema.py) to what the engine takes: token ids and SamplingParams.
+"""A validated request's meaning: what a completions, chat or WebSocket body asks of the engine.
 
-Types and ranges are the schema's; this module adds the checks that span fields or depend on this
-server (n and best_of against max_choices, logprobs against beam search), refuses the fields the
-engine cannot honour yet with a 400 naming them, and tokenizes.
+    parse(raw, chat, served, max_choices) -> Parsed     the body through its schema model (schema.py),
+                                                        then to_generation: SamplingParams + options
+
+Types and ranges are the schema's (whose numeric ranges are the engine's own table); this module adds
+the rules that span fields or depend on this server (n and best_of against max_choices, max_tokens 0
+only with echo, logprobs against beam search, tool choice), and refuses the fields the engine cannot
+honour yet with a 400 naming them.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any
-
-import pydantic_core
-from aiohttp import web
 
 from engine.errors import InvalidRequest
 from engine.sample.structured import StructuredSpec
 from engine.sequence import SamplingParams
 from service.errors import ApiError, invalid
-from service.openai.schema import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    NamedToolChoice,
-    SchemaError,
-    parse,
-)
+from service.openai.schema import ChatCompletionRequest, CompletionRequest, NamedToolChoice, parse_model
 from service.openai.tools import ToolPlan, named_schema, required_schema
 
 
@@ -40,25 +33,28 @@ class GenerationRequest:
     prefix: str | None = None
     user: str | None = None
     echo: bool = False              # completions: the prompt goes before each choice's text (and logprobs)
-    tools: ToolPlan | None = None   # chat: how the answer calls tools (service/tools.py)
+    tools: ToolPlan | None = None   # chat: how the answer calls tools (service/openai/tools.py)
 
 
-async def read_body(request: web.Request, timeout: float) -> bytes:
-    """The raw body; 413 (client_max_size) surfaces as HTTPRequestEntityTooLarge, a body that takes
-    longer than `timeout` seconds to arrive gets 408."""
-    try:
-        async with asyncio.timeout(timeout):
-            return await request.read()
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
+@dataclass
+class Parsed:
+    body: CompletionRequest | ChatCompletionRequest
+    req: GenerationRequest
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts the body holds, known before tokenizing: a chat request is one."""
+        body = self.body
+        if isinstance(body, ChatCompletionRequest) or isinstance(body.prompt, str):
+            return 1
+        return 1 if all(isinstance(t, int) for t in body.prompt) else len(body.prompt)
 
 
-def parse_body(model: type[Any], raw: bytes | str | dict[str, Any]) -> Any:
-    """`raw` validated as `model`; a 400 naming the offending field otherwise."""
-    try:
-        return parse(model, raw)
-    except SchemaError as exc:
-        raise invalid(exc.message, exc.param) from None
+def parse(raw: bytes | dict[str, Any], chat: bool, served: str, max_choices: int) -> Parsed:
+    """The body validated as a chat or completion request, for the model this server serves. Raises a 4xx."""
+    body = parse_model(ChatCompletionRequest if chat else CompletionRequest, raw)
+    check_model(body.model, served)
+    return Parsed(body, to_generation(body, max_choices=max_choices))
 
 
 def check_model(model: str | None, served: str) -> None:
@@ -138,10 +134,11 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
                           "continue_final_message")
         if req.messages[-1].role != "assistant":
             raise invalid("continue_final_message needs the last message to be the assistant's", "messages")
-    if max_tokens == 0 and not echo:
-        raise invalid("max_tokens must be >= 1 (0 is for scoring a prompt with echo)", "max_tokens")
+    param = "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens == 0 and not echo:
+        raise invalid(f"{param} must be >= 1 (0 is for scoring a prompt with echo)", param)
     n = req.n or 1
     if n > max_choices:
         raise invalid(f"n must be within [1, {max_choices}]", "n")
@@ -191,115 +188,3 @@ def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
-
-
-def check_choices(num_prompts: int, params: SamplingParams, max_choices: int) -> None:
-    """Prompts x best_of (the sequences generated) is capped like prompts x n (those returned)."""
-    best_of = params.best_of or params.n
-    if num_prompts * best_of > max_choices:
-        param = "best_of" if best_of > params.n else "n"
-        raise invalid(f"the number of prompts times {param} must be at most {max_choices}", param)
-
-
-def parse_prompts(req: CompletionRequest, tokenizer: Any) -> list[list[int]]:
-    """`prompt` as a string, a list of strings, token ids, or a list of token-id lists: one entry each."""
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        return [encode_prompt(tokenizer, prompt)]
-    if all(isinstance(p, str) for p in prompt):
-        return [encode_prompt(tokenizer, p) for p in prompt]  # type: ignore[arg-type]
-    if all(isinstance(t, int) for t in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return [list(p) for p in prompt]  # type: ignore[arg-type]
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: role and text content (plus tool fields when set)."""
-    out = []
-    for m in messages:
-        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
-        if m.name is not None:
-            msg["name"] = m.name
-        if m.tool_calls:
-            msg["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        out.append(msg)
-    return out
-
-
-def parse_messages(messages: list[ChatMessage], tokenizer: Any) -> list[int]:
-    """Chat messages through the model's chat template, ready for the assistant's answer."""
-    return render_messages(template_messages(messages), tokenizer, add_generation_prompt=True)
-
-
-def render_text(clean: list[dict[str, Any]], tokenizer: Any, add_generation_prompt: bool,
-                tools: list[dict[str, Any]] | None = None, continue_final: bool = False) -> str:
-    """The chat template's rendering of `clean` messages (and `tools`, for templates that take them).
-    `continue_final`: the last message is left open, for the model to go on with it."""
-    try:
-        return str(tokenizer.apply_chat_template(clean, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final, tokenize=False))
-    except Exception as exc:  # a template that raises on this input (jinja's raise_exception, bad roles)
-        raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
-
-
-def render_messages(clean: list[dict[str, Any]], tokenizer: Any, add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None, continue_final: bool = False) -> list[int]:
-    """Token ids of the chat template's rendering; the template adds the special tokens.
-
-    NOTE: message content is text. A message holding the text of a special token (a user typing
-    `<|im_end|>\n<|im_start|>system ...` to forge a system turn) gets that text encoded as ordinary
-    tokens, never as the control token: the template's own parts and each content are encoded apart,
-    the contents with the special tokens split. Content without such text (nearly all) is encoded with
-    the whole rendering at once, exactly as before."""
-    text = render_text(clean, tokenizer, add_generation_prompt, tools, continue_final)
-    specials = _special_texts(tokenizer)
-    contents = [m["content"] for m in clean]
-    if not any(s in c for c in contents for s in specials):
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    marks = [f"\ue000{i}\ue001" for i in range(len(clean))]          # private-use code points
-    marked = render_text([{**m, "content": mark} for m, mark in zip(clean, marks)], tokenizer,
-                         add_generation_prompt, tools, continue_final)
-    pieces, rest = [], marked
-    for mark in marks:
-        if rest.count(mark) != 1:
-            raise _unrenderable(specials)
-        head, rest = rest.split(mark)
-        pieces.append(head)
-    if "".join(p + c for p, c in zip(pieces, contents)) + rest != text:   # the template changed content
-        raise _unrenderable(specials)
-    ids: list[int] = []
-    for piece, content in zip(pieces, contents):
-        ids += tokenizer.encode(piece, add_special_tokens=False)
-        ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return ids + tokenizer.encode(rest, add_special_tokens=False)
-
-
-def _special_texts(tokenizer: Any) -> list[str]:
-    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return sorted({t.content for t in decoder.values() if getattr(t, "special", False)} |
-                  set(getattr(tokenizer, "all_special_tokens", [])))
-
-
-def _unrenderable(specials: list[str]) -> ApiError:
-    return invalid("a message contains the text of a special token (one of " + ", ".join(specials[:5]) +
-                   ") and this model's chat template does not keep message content as written, so it "
-                   "cannot be encoded as plain text", "messages")
-
-
-def parse_object(raw: bytes) -> dict[str, Any]:
-    """A JSON object body (to choose its model by its keys); a 400 otherwise."""
-    try:
-        obj = pydantic_core.from_json(raw)
-    except ValueError as exc:
-        raise invalid(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise invalid("the body must be a JSON object")
-    return obj
-
-
-def encode_prompt(tokenizer: Any, text: str, special_tokens: bool = True) -> list[int]:
-    """A completion prompt's tokens. NOTE: like vLLM, a prompt gets the tokenizer's own special tokens (e.g.
-    Llama's BOS), unless it follows a prefix (`special_tokens=False`), which already starts the sequence."""
-    return list(tokenizer.encode(text, add_special_tokens=special_tokens))

@@ -1,21 +1,23 @@
-"""Request preparation: parse and validate, resolve the named prefix, tokenize.
+"""The one request pipeline of the generation surfaces: chat, completions, the WebSocket's `generate` and
+the router's render all take the same stages, in this order, each stage in one module:
 
-    raw body ──(tokenizer thread)──► validated request ──(event loop)──► prefix snapshot ──(tokenizer
-    thread)──► token ids
+    stage       where                                    refuses with              runs on
+    ready       ServiceState.ready (service/state.py)    503 warming/draining/dead event loop
+    read        read_body (here)                         408 slow body, 413        event loop
+    parse       params.parse (schema.py's models)        400 naming the field      tokenizer thread
+    prefix      PrefixRegistry.snapshot (prefix_store)   404 unknown prefix        event loop
+    limits      check_choices (here)                     400 too many choices      event loop
+    tokenize    render.tokenize (chat template, prefix)  400                       tokenizer thread
+    grammar     AsyncEngine.compile_grammar              400 bad constraint        tokenizer thread
+    submit      Generation.start (AsyncEngine.add)       400, 429, 503             event loop
+    answer      sse.stream, or Generation.collect        (errors after the headers: an SSE error event)
 
-A large body (hundreds of prompts, a long conversation) takes milliseconds to seconds to parse, render
-through the chat template and tokenize; done on the event loop it would stall every stream and /health
-meanwhile, so those steps run on one tokenizer thread (Hugging Face fast tokenizers are not safe to
-reconfigure from several threads at once). The registry belongs to the event loop: the named prefix is
-looked up there, between the two, and handed over as an immutable snapshot.
-
-A named prefix composes at the level its source was registered at:
-- registered with `messages`, named by a chat request: the chat template renders the prefix's messages
-  followed by the request's, once (a template's default system prompt or BOS appears once); the
-  registration checked that such a rendering starts with the prefix's pinned tokens;
-- registered with `messages` or a `prompt`, named by a completion: the prefix's tokens, then the
-  prompt's, encoded without the tokenizer's special tokens (no second BOS);
-- registered with a `prompt`, named by a chat request: refused (400); there is no message to put first.
+A surface hands the pipeline only its shaping (a Shaper: the id/object head, the chunks of one delta,
+the body of a whole answer); the WebSocket and the render endpoints take `prepare` and `submit` and
+answer in their own shape. A body that takes seconds to parse, render or tokenize (hundreds of prompts,
+a long conversation) would stall every stream and /health on the loop, so those stages run on the one
+tokenizer thread; the registry belongs to the loop, so the prefix is looked up there, between the two,
+and handed over as an immutable snapshot.
 """
 from __future__ import annotations
 
@@ -23,93 +25,139 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
+
+from aiohttp import web
 
 from engine.errors import InvalidRequest
-from engine.sample.structured import Grammars
-from service.errors import invalid
-from service.openai.params import (
-    GenerationRequest,
-    check_choices,
-    check_model,
-    encode_prompt,
-    parse_body,
-    parse_prompts,
-    render_messages,
-    template_messages,
-    to_generation,
-)
-from service.openai.schema import ChatCompletionRequest, CompletionRequest
-from service.openai.tools import template_renders_tools
+from engine.sequence import SamplingParams
+from prefix_store.errors import PrefixNotFound
+from prefix_store.registry import PrefixSnapshot
+from service.errors import ApiError, invalid
+from service.middleware.access_log import record_usage
+from service.middleware.metrics import METRICS, Metrics
+from service.openai import params, render, sse
+from service.openai.generation import ChoiceDelta, Generation, Usage
+from service.openai.params import GenerationRequest, Parsed
+from service.openai.schema import CompletionRequest
+from service.state import STATE, Ready
 
 T = TypeVar("T")
-
-
-def tokenizer_executor() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
 
 async def off_loop(executor: ThreadPoolExecutor, fn: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(executor, fn)
 
 
-@dataclass(frozen=True)
-class PrefixSnapshot:
-    """What a request needs of a registered prefix, copied out of the registry on the event loop."""
-
-    name: str
-    token_ids: tuple[int, ...]
-    messages: tuple[dict[str, Any], ...] | None      # its source, when it was registered with messages
+async def read_body(request: web.Request, timeout: float) -> bytes:
+    """The raw body; 413 (client_max_size) surfaces as HTTPRequestEntityTooLarge, a body that takes
+    longer than `timeout` seconds to arrive gets 408."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
 
 
 @dataclass
-class Parsed:
-    body: CompletionRequest | ChatCompletionRequest
-    req: GenerationRequest
+class Prepared:
+    """A request through parse, prefix, limits, tokenize and grammar: ready to submit."""
+
+    parsed: Parsed
+    prompts: list[list[int]]
+    ready: Ready
+
+    @property
+    def req(self) -> GenerationRequest:
+        return self.parsed.req
 
 
-def parse_request(raw: bytes | dict[str, Any], chat: bool, served: str, max_choices: int) -> Parsed:
-    body = parse_body(ChatCompletionRequest if chat else CompletionRequest, raw)
-    check_model(body.model, served)
-    return Parsed(body, to_generation(body, max_choices=max_choices))
+class Shaper(Protocol):
+    """A surface's shaping of one generation's answer (chat and completions each have one)."""
+
+    def head(self, gen: Generation) -> dict[str, Any]: ...          # id, object, created, model
+
+    def chunks(self, gen: Generation, delta: ChoiceDelta) -> list[dict[str, Any]]: ...   # one delta -> SSE chunks
+
+    def body(self, gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]: ...  # all choices -> JSON
 
 
-def tokenize(parsed: Parsed, tokenizer: Any, prefix: PrefixSnapshot | None, max_choices: int,
-             grammars: Callable[[], Grammars]) -> list[list[int]]:
-    """The prompts' token ids, the named prefix composed in (see the module docstring). A structured
-    output constraint is compiled here too (a bad one is a 400; the engine then finds it cached)."""
-    body = parsed.body
+async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool) -> Prepared:
+    """parse -> prefix -> limits -> tokenize -> grammar (the module docstring's stages)."""
+    max_choices = ready.config.max_choices
+    parsed = await off_loop(ready.executor, lambda: params.parse(raw, chat, ready.model_name, max_choices))
+    prefix = _snapshot(ready, parsed.req.prefix)
+    check_choices(parsed.num_prompts, parsed.req.params, max_choices)
     spec = parsed.req.params.structured
-    if spec is not None:
-        try:
-            grammars().compile(spec)
-        except InvalidRequest as exc:
-            raise invalid(exc.message, exc.param) from None
-    if isinstance(body, ChatCompletionRequest):
-        messages = template_messages(body.messages)
-        if prefix is not None:
-            if prefix.messages is None:
-                raise invalid(f"prefix {prefix.name!r} was registered with a prompt; a chat request can only name "
-                              "a prefix registered with messages", "prefix")
-            messages = [dict(m) for m in prefix.messages] + messages
-        plan = parsed.req.tools
-        if plan is not None and plan.mode == "auto" and not template_renders_tools(tokenizer):
-            raise invalid("this model's chat template does not show tools to the model, so it cannot choose to call "
-                          "one: use tool_choice \"required\" or name a function", "tool_choice")
-        tools = plan.template_tools() if plan is not None else None
-        cont = bool(body.continue_final_message)
-        return [render_messages(messages, tokenizer, add_generation_prompt=body.add_generation_prompt is not False
-                                and not cont, tools=tools, continue_final=cont)]
-    if prefix is None:
-        prompts = parse_prompts(body, tokenizer)
-    else:
-        head = list(prefix.token_ids)
+    engine = ready.engine
+
+    def tokenize() -> list[list[int]]:
+        prompts = render.tokenize(parsed, engine.tokenizer, prefix)
+        if spec is not None:        # compiled here, off the loop: the engine then finds it cached
+            try:
+                engine.compile_grammar(spec)
+            except InvalidRequest as exc:
+                raise invalid(exc.message, exc.param) from None
+        return prompts
+
+    return Prepared(parsed, await off_loop(ready.executor, tokenize), ready)
+
+
+def _snapshot(ready: Ready, name: str | None) -> PrefixSnapshot | None:
+    if name is None:
+        return None
+    if ready.registry is None:
+        raise PrefixNotFound(f"prefix {name!r} is not registered", param="prefix")
+    return ready.registry.snapshot(name)
+
+
+def check_choices(num_prompts: int, sampling: SamplingParams, max_choices: int) -> None:
+    """Prompts x best_of (the sequences generated) is capped like prompts x n (those returned)."""
+    best_of = sampling.best_of or sampling.n
+    if num_prompts * best_of > max_choices:
+        param = "best_of" if best_of > sampling.n else "n"
+        raise invalid(f"the number of prompts times {param} must be at most {max_choices}", param)
+
+
+def submit(prepared: Prepared, metrics: Metrics) -> Generation:
+    """The Generation of a prepared request (its engine requests are submitted by `start()`); a request
+    that named a prefix is counted against it when it ends."""
+    ready, req = prepared.ready, prepared.req
+    registry, name = ready.registry, req.prefix
+    on_finish: Callable[[Usage], Any] | None = None
+    if registry is not None and name is not None:
+        on_finish = lambda usage: registry.record_use(name, usage.cached_tokens)  # noqa: E731
+    return Generation(ready.engine, prepared.prompts, req.params, metrics, on_finish, echo=_echo(prepared))
+
+
+def _echo(prepared: Prepared) -> list[str] | None:
+    """Completions' `echo`: each prompt's text as the client wrote it (decoded when a prefix went first)."""
+    req, body = prepared.req, prepared.parsed.body
+    if not req.echo:
+        return None
+    if req.prefix is None and isinstance(body, CompletionRequest):
         prompt = body.prompt
-        if isinstance(prompt, str):
-            prompts = [head + encode_prompt(tokenizer, prompt, special_tokens=False)]
-        elif all(isinstance(p, str) for p in prompt):
-            prompts = [head + encode_prompt(tokenizer, p, special_tokens=False) for p in prompt]  # type: ignore[arg-type]
-        else:
-            prompts = [head + p for p in parse_prompts(body, tokenizer)]
-    check_choices(len(prompts), parsed.req.params, max_choices)
-    return prompts
+        texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
+        if len(texts) == len(prepared.prompts):
+            return texts
+    return [prepared.ready.engine.tokenizer.decode(p) for p in prepared.prompts]
+
+
+async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], Shaper]) -> web.StreamResponse:
+    """A whole HTTP generation request: every stage, then SSE or one JSON answer."""
+    ready = request.app[STATE].ready()
+    raw = await read_body(request, ready.config.body_timeout)
+    prepared = await prepare(ready, raw, chat)
+    shape = shaper(prepared)
+    gen = submit(prepared, request.app[METRICS])
+    try:
+        await gen.start()
+        if prepared.req.stream:
+            usage_chunk = {**shape.head(gen), "choices": []} if prepared.req.include_usage else None
+            return await sse.stream(request, gen, lambda d: shape.chunks(gen, d), usage_chunk,
+                                    ready.config.keepalive_interval)
+        choices = await gen.collect()
+        return web.json_response({**shape.body(gen, choices), "usage": gen.usage.as_dict()})
+    finally:
+        gen.close()
+        record_usage(request, gen.usage)

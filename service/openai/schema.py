@@ -18,23 +18,39 @@ three reasoning fields only matter to a server with a reasoning parser; this one
 model's text is never split into reasoning and content (what SGLang does without a parser), and
 include_reasoning=false (drop the reasoning) is refused.
 
-Server-dependent limits (n and best_of against `max_choices`, max_tokens against the context length)
-are checked by the handlers; the OpenAPI document narrows the schemas to this server's values.
+Numeric ranges come from the engine's one table (engine/sequence.py SAMPLING_RANGES). Server-dependent
+limits (n and best_of against `max_choices`, max_tokens against the context length) are checked by the
+request pipeline (service/openai/pipeline.py); the OpenAPI document narrows the schemas to this server's values.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.sequence import SAMPLING_RANGES
+from service.errors import ApiError, invalid
 
 MAX_STOP = 16                # stop strings per request
 MAX_STOP_LEN = 256           # characters per stop string
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024        # entries
-MAX_LOGPROBS = 20
 MAX_MESSAGES = 2048
 MAX_TOOLS = 128
 MAX_PROMPTS = 1024           # prompts in one completions request (also capped by max_choices)
+
+def bounds(name: str) -> Any:
+    """The Field constraint of the engine's range for `name` (engine/sequence.py SAMPLING_RANGES: one table
+    for the schema, /openapi.json and SamplingParams)."""
+    r = SAMPLING_RANGES[name]
+    limits: dict[str, float] = {}
+    if r.lo is not None:
+        limits["gt" if r.open_lo else "ge"] = r.lo
+    if r.hi is not None:
+        limits["le"] = r.hi
+    return Field(**limits)  # type: ignore[call-overload]
+
 
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -120,21 +136,21 @@ class _Sampling(_Strict):
     """Fields shared by completions and chat."""
 
     model: str | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    temperature: Annotated[float, bounds("temperature")] | None = None
+    top_p: Annotated[float, bounds("top_p")] | None = None
+    top_k: Annotated[int, bounds("top_k")] | None = None
+    min_p: Annotated[float, bounds("min_p")] | None = None
+    n: Annotated[int, bounds("n")] | None = None
+    best_of: Annotated[int, bounds("best_of")] | None = None
+    seed: Annotated[int, bounds("seed")] | None = None
     stop: StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+    presence_penalty: Annotated[float, bounds("presence_penalty")] | None = None
+    frequency_penalty: Annotated[float, bounds("frequency_penalty")] | None = None
+    repetition_penalty: Annotated[float, bounds("repetition_penalty")] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, bounds("logit_bias")]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    min_tokens: Annotated[int, bounds("min_tokens")] | None = None
     ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -142,7 +158,7 @@ class _Sampling(_Strict):
     prefix: str | None = None
     return_token_ids: bool | None = None
     use_beam_search: bool | None = None
-    length_penalty: Annotated[float, Field(ge=-10.0, le=10.0)] | None = None
+    length_penalty: Annotated[float, bounds("length_penalty")] | None = None
     early_stopping: bool | Literal["never"] | None = None
     response_format: ResponseFormat | None = None
     skip_special_tokens: bool | None = None
@@ -166,8 +182,8 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[NonEmptyStr], Field(min_length=1)]
              | TokenIds | Annotated[list[TokenIds], Field(min_length=1)])
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16       # 0 only with echo (score the prompt)
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: Annotated[int, bounds("max_tokens")] | None = 16   # 0 only with echo (service/openai/params.py)
+    logprobs: Annotated[int, bounds("logprobs")] | None = None
     echo: bool | None = None
     suffix: str | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -177,10 +193,10 @@ class CompletionRequest(_Sampling):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, bounds("max_tokens")] | None = None
+    max_completion_tokens: Annotated[int, bounds("max_tokens")] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, bounds("logprobs")] | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -224,23 +240,25 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
-class SchemaError(Exception):
-    """A body that does not match its model: the first problem, and the top-level field it is in."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-def parse(model: type[_Strict], raw: bytes | str | dict[str, Any]) -> Any:
-    """`raw` (JSON bytes or text, or an already parsed object) as `model`; raises SchemaError."""
+def parse_model(model: type[_Strict], raw: bytes | str | dict[str, Any]) -> Any:
+    """`raw` (JSON bytes or text, or an already parsed object) as `model`; a 400 naming the field otherwise."""
     try:
         if isinstance(raw, dict):
             return model.model_validate(raw)
         return model.model_validate_json(raw)
     except ValidationError as exc:
         raise _schema_error(exc) from None
+
+
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object body (to choose its model by its keys); a 400 otherwise."""
+    try:
+        obj = pydantic_core.from_json(raw)
+    except ValueError as exc:
+        raise invalid(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise invalid("the body must be a JSON object")
+    return obj
 
 
 # What a field of several shapes may be, for errors that would otherwise name pydantic's union branches.
@@ -255,16 +273,16 @@ _SHAPES = {
 }
 
 
-def _schema_error(exc: ValidationError) -> SchemaError:
+def _schema_error(exc: ValidationError) -> ApiError:
     err = exc.errors(include_url=False)[0]
     loc = [str(p) for p in err["loc"]]
     if loc and loc[0] in _SHAPES and err["type"] not in ("extra_forbidden", "missing"):
-        return SchemaError(f"{loc[0]} {_SHAPES[loc[0]]}", loc[0])
+        return invalid(f"{loc[0]} {_SHAPES[loc[0]]}", loc[0])
     if err["type"] in ("json_invalid", "json_type") or (err["type"] == "model_type" and not loc):
-        return SchemaError(f"the body is not a valid JSON object: {err['msg']}", None)
+        return invalid(f"the body is not a valid JSON object: {err['msg']}", None)
     if err["type"] == "extra_forbidden":
         where = ".".join(loc)
-        return SchemaError(f"unknown field {where!r}: this server does not accept it (see /openapi.json)",
+        return invalid(f"unknown field {where!r}: this server does not accept it (see /openapi.json)",
                            loc[0] if loc else None)
     where = ".".join(loc)
-    return SchemaError(f"{where}: {err['msg']}" if where else err["msg"], loc[0] if loc else None)
+    return invalid(f"{where}: {err['msg']}" if where else err["msg"], loc[0] if loc else None)

@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.errors import EngineError
-from service.errors import from_engine
+from service.errors import to_api_error
 from service.openai.generation import ChoiceDelta, Generation
 
 SSE_HEADERS = {
@@ -41,7 +41,7 @@ async def stream(request: web.Request, gen: Generation, chunks: Callable[[Choice
                 continue
             await resp.write(b"".join(event(c) for c in chunks(delta)))
     except EngineError as exc:  # headers are sent: the error travels as one more event
-        await resp.write(event(from_engine(exc).body()))
+        await resp.write(event(to_api_error(exc).body()))
     except ConnectionError:     # the client went away between two events
         return resp
     else:

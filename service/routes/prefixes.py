@@ -8,9 +8,9 @@ from aiohttp import web
 from prefix_store.registry import PrefixRegistry
 from service.errors import ApiError, invalid
 from service.middleware.auth import is_admin
-from service.openai.params import encode_prompt, parse_body, read_body, render_messages, template_messages
-from service.openai.pipeline import off_loop
-from service.openai.schema import PrefixRequest
+from service.openai.pipeline import off_loop, read_body
+from service.openai.render import encode_prompt, render_messages, template_messages
+from service.openai.schema import PrefixRequest, parse_model
 from service.state import STATE
 
 
@@ -28,7 +28,7 @@ def _render(raw: bytes, tokenizer: Any) -> tuple[PrefixRequest, list[int], dict[
     """The request, the prefix's tokens and its source: a prompt as completions encode it, or messages
     through the chat template without a generation prompt (a chat request naming the prefix renders
     after it)."""
-    body = parse_body(PrefixRequest, raw)
+    body = parse_model(PrefixRequest, raw)
     if (body.prompt is None) == (body.messages is None):
         raise invalid("give exactly one of prompt or messages", "prompt")
     if body.prompt is not None:
@@ -50,9 +50,9 @@ def _render(raw: bytes, tokenizer: Any) -> tuple[PrefixRequest, list[int], dict[
 async def create_prefix(request: web.Request) -> web.Response:
     registry = _registry(request)
     state = request.app[STATE]
+    tokenizer = state.ready_engine().tokenizer
     raw = await read_body(request, state.config.body_timeout)
-    body, token_ids, source = await off_loop(state.tokenizer_executor,
-                                             lambda: _render(raw, registry.engine.tokenizer))
+    body, token_ids, source = await off_loop(state.tokenizer_executor, lambda: _render(raw, tokenizer))
     record, created = await registry.register(body.name, token_ids, source, body.description)
     entry = registry.local.get(body.name)
     return web.json_response(registry.describe(entry, record, loaded=entry is not None), status=201 if created else 200)

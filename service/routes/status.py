@@ -12,7 +12,7 @@ from service.state import STATE
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if state.ready:
+    if state.is_ready:
         return web.json_response({"status": "ok", "model": state.model_name})
     if state.draining:
         status = "draining"

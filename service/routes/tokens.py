@@ -12,15 +12,16 @@ from typing import Any
 from aiohttp import web
 
 from service.errors import invalid
-from service.openai.params import check_model, parse_body, parse_object, read_body, render_messages, template_messages
-from service.openai.pipeline import off_loop
-from service.openai.schema import DetokenizeRequest, TokenizeChat, TokenizeCompletion
+from service.openai.params import check_model
+from service.openai.pipeline import off_loop, read_body
+from service.openai.render import render_messages, template_messages
+from service.openai.schema import DetokenizeRequest, TokenizeChat, TokenizeCompletion, parse_model, parse_object
 from service.state import STATE
 
 
 def _tokenize(raw: bytes, tokenizer: Any, served: str, max_model_len: int) -> dict[str, Any]:
     obj = parse_object(raw)
-    body = parse_body(TokenizeChat if "messages" in obj else TokenizeCompletion, obj)
+    body = parse_model(TokenizeChat if "messages" in obj else TokenizeCompletion, obj)
     check_model(body.model, served)
     if isinstance(body, TokenizeChat):
         tools = [t.model_dump() for t in body.tools] if body.tools else None
@@ -39,7 +40,7 @@ def _tokenize(raw: bytes, tokenizer: Any, served: str, max_model_len: int) -> di
 
 
 def _detokenize(raw: bytes, tokenizer: Any, served: str, vocab_size: int) -> dict[str, Any]:
-    body = parse_body(DetokenizeRequest, raw)
+    body = parse_model(DetokenizeRequest, raw)
     check_model(body.model, served)
     if any(t >= vocab_size for t in body.tokens):
         raise invalid(f"token ids must be in [0, {vocab_size})", "tokens")

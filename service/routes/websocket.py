@@ -31,14 +31,13 @@ from aiohttp import WSMsgType, web
 
 from engine.errors import EngineError
 from prefix_store.errors import RegistryError
-from service.errors import ApiError, from_engine, from_registry, invalid
+from service.errors import ApiError, invalid, to_api_error
 from service.middleware.access_log import record_usage
 from service.middleware.auth import WS_PROTOCOL
 from service.middleware.metrics import METRICS
+from service.openai import pipeline
 from service.openai.generation import Generation
 from service.openai.logprobs import chat_logprobs
-from service.openai.prefix_hook import on_prefix_use
-from service.openai.respond import prepare
 from service.state import STATE
 
 
@@ -120,16 +119,14 @@ class Session:
     async def generate(self, key: str, live: _Generation) -> None:
         gid = live.gid
         try:
-            prepared, prompts = await prepare(self.request.app, live.body, chat="messages" in live.body)
-            req = prepared.req
-            engine = self.state.ready_engine()
-            gen = Generation(engine, prompts, req.params, self.request.app[METRICS],
-                             on_prefix_use(self.request.app, req.prefix))
+            ready = self.state.ready()
+            prepared = await pipeline.prepare(ready, live.body, chat="messages" in live.body)
+            gen = pipeline.submit(prepared, self.request.app[METRICS])
             live.gen, live.reasons = gen, [None] * gen.num_choices
             if not live.cancelled:
                 await gen.start()
-            top_k = req.params.logprobs
-            tokens = self.state.token_text() if top_k is not None else None
+            top_k = prepared.req.params.logprobs
+            tokens = ready.token_text if top_k is not None else None
             if not live.cancelled:
                 async for d in gen.events():
                     assert d is not None
@@ -164,12 +161,7 @@ class Session:
                                      "usage": gen.usage.as_dict()})
 
     async def send_error(self, gid: Any, exc: ApiError | EngineError | RegistryError) -> None:
-        if isinstance(exc, ApiError):
-            err = exc
-        elif isinstance(exc, EngineError):
-            err = from_engine(exc)
-        else:
-            err = from_registry(exc)
+        err = to_api_error(exc)
         if not self.ws.closed:
             await self.ws.send_json({"type": "error", "id": gid, "error": err.body()["error"]})
 

@@ -30,12 +30,12 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.kv.events import KVEventsConfig
+from engine.config import KVEventsConfig
 from engine.sequence import SamplingParams
 from service import __version__
 from service.errors import ApiError
-from service.openai.params import GenerationRequest, read_body
-from service.openai.respond import prepare
+from service.openai.params import GenerationRequest
+from service.openai.pipeline import prepare, read_body
 from service.state import STATE
 
 
@@ -122,18 +122,19 @@ def _generate_request(request_id: str, token_ids: list[int], req: GenerationRequ
 
 
 async def render_completion(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    parsed, prompts = await prepare(request.app, await read_body(request, state.config.body_timeout), chat=False)
+    ready = request.app[STATE].ready()
+    prepared = await prepare(ready, await read_body(request, ready.config.body_timeout), chat=False)
     rid = uuid.uuid4().hex
-    return web.json_response([_generate_request(f"cmpl-{rid}-{i}", p, parsed.req, state.model_name)
-                              for i, p in enumerate(prompts)])
+    return web.json_response([_generate_request(f"cmpl-{rid}-{i}", p, prepared.req, ready.model_name)
+                              for i, p in enumerate(prepared.prompts)])
 
 
 async def render_chat(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    parsed, (prompt,) = await prepare(request.app, await read_body(request, state.config.body_timeout), chat=True)
-    return web.json_response(_generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt, parsed.req,
-                                               state.model_name))
+    ready = request.app[STATE].ready()
+    prepared = await prepare(ready, await read_body(request, ready.config.body_timeout), chat=True)
+    (prompt,) = prepared.prompts
+    return web.json_response(_generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt, prepared.req,
+                                               ready.model_name))
 
 
 async def flush_cache(request: web.Request) -> web.Response:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cli, memory, prefix, sharing
+from benchmarks import cli
+from benchmarks.offline import memory, prefix, sharing
 from benchmarks.common import median_ratio, random_prompts
 from engine.kv.block_manager import BlockManager, PrefixHit
 from engine.kv.block_pool import BlockPool
@@ -165,7 +166,7 @@ def test_results_go_to_a_scratch_folder_unless_out(capsys: pytest.CaptureFixture
 def test_routing_workload_and_summary() -> None:
     from argparse import Namespace
 
-    from benchmarks import routing
+    from benchmarks.served import routing
 
     class Words:                                   # a tokenizer of whitespace words: lengths by hand
         def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -220,7 +221,9 @@ def test_decode_bench_on_a_tiny_checkpoint(tiny_llama_dir: Path, tmp_path: Path,
                    "--output-len", "4", "--rounds", "1", "--out", str(tmp_path)])
     assert rc == 0
     res = result_line(capsys.readouterr().out)
-    assert res["llama_cpp_recorded"] and res["batch1_vs_llama_cpp"] > 0     # no GGUF: llama.cpp's recorded figures
+    # no GGUF, so no llama.cpp: reported absent, and no ratio made up from a figure recorded elsewhere
+    assert res["llama_cpp"] is None and res["batch1_vs_llama_cpp"] is None
+    assert "llama.cpp | absent" in (tmp_path / "decode.md").read_text()
     rows = json.loads((tmp_path / "decode.json").read_text())["result"]["rows"]
     assert [r["name"] for r in rows] == ["prefixserve, none", "prefixserve, none, compiled"]
     assert all(r["batch1_tok_s"] > 0 and r["streams16_tok_s"] > 0 and r["start_s"] > 0 for r in rows)

@@ -39,7 +39,7 @@ def make_metadata(seq_lens: list[int], query_lens: list[int], tables: list[list[
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        kv_rows=torch.tensor(slots, dtype=torch.int64, device=device),
         block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),

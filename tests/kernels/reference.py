@@ -52,15 +52,15 @@ def ref_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
 
 
 def ref_kv_write(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """New (cloned) caches with token t written at slot_mapping[t]; negative slots are skipped."""
+                 kv_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """New (cloned) caches with token t written at row kv_rows[t]; negative rows are skipped."""
     kc, vc = key_cache.clone(), value_cache.clone()
     block_size = kc.shape[1]
-    for t, slot in enumerate(slot_mapping.tolist()):
-        if slot < 0:
+    for t, row in enumerate(kv_rows.tolist()):
+        if row < 0:
             continue
-        kc[slot // block_size, slot % block_size] = key[t].to(kc.dtype)
-        vc[slot // block_size, slot % block_size] = value[t].to(vc.dtype)
+        kc[row // block_size, row % block_size] = key[t].to(kc.dtype)
+        vc[row // block_size, row % block_size] = value[t].to(vc.dtype)
     return kc, vc
 
 

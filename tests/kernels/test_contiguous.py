@@ -48,7 +48,7 @@ def to_contiguous(b: PagedBatch, slot_len: int, seed: int) -> ContiguousBatch:
     rows = [slot * slot_len + pos for slot, seq_len, q_len in zip(slots, md.seq_lens_list, md.query_lens_list)
             for pos in range(seq_len - q_len, seq_len)]
     slot_ids = torch.tensor(slots, dtype=torch.int32, device=b.q.device)
-    cmd = AttentionMetadata(slot_mapping=torch.tensor(rows, device=b.q.device),
+    cmd = AttentionMetadata(kv_rows=torch.tensor(rows, device=b.q.device),
                             block_tables=torch.zeros(md.num_seqs, 0, dtype=torch.int32, device=b.q.device),
                             seq_lens=md.seq_lens, query_start_loc=md.query_start_loc, seq_lens_list=md.seq_lens_list,
                             query_lens_list=md.query_lens_list, max_query_len=md.max_query_len,
@@ -102,7 +102,7 @@ def test_backends_write_then_attend(backend, query_lens: list[int]) -> None:
                    dtype=torch.float32, seed=5)
     c = to_contiguous(b, 1040, seed=9)
     expected = reference(c)
-    rows = c.md.slot_mapping
+    rows = c.md.kv_rows
     c.key_cache.flatten(0, 1)[rows] = float("nan")            # this step's rows: written by write_kv only
     c.value_cache.flatten(0, 1)[rows] = float("nan")
     backend.write_kv(c.key_cache, c.value_cache, b.key, b.value, c.md)
@@ -114,7 +114,7 @@ def test_strided_layer_views_do_not_leak_into_each_other() -> None:
     """Two layers of one buffer: writing layer 0 through its view leaves layer 1's rows untouched."""
     buf = torch.zeros(2, 8, 2, 2, 1, 4, device=DEVICE)
     k0, k1 = buf[:, :, 0, 0], buf[:, :, 0, 1]
-    md = AttentionMetadata(slot_mapping=torch.tensor([9], device=DEVICE), block_tables=torch.zeros(1, 0),
+    md = AttentionMetadata(kv_rows=torch.tensor([9], device=DEVICE), block_tables=torch.zeros(1, 0),
                            seq_lens=torch.tensor([2], dtype=torch.int32), query_start_loc=torch.tensor([0, 1]),
                            seq_lens_list=[2], query_lens_list=[1], max_query_len=1, max_seq_len=2,
                            slot_ids=torch.tensor([1], dtype=torch.int32))

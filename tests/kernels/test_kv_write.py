@@ -57,10 +57,10 @@ def test_torch_backend_write_kv_matches_reference() -> None:
     kc, vc, gen = _caches(8, 16, 2, 48, torch.bfloat16)
     tables = [[5, 2], [7], [0, 3, 6]]
     md = make_metadata([20, 9, 40], [4, 9, 1], tables, block_size=16)
-    n = md.slot_mapping.shape[0]
+    n = md.kv_rows.shape[0]
     key = torch.randn(n, 2, 48, generator=gen).to(DEVICE)
     value = torch.randn(n, 2, 48, generator=gen).to(DEVICE)
-    exp_k, exp_v = ref_kv_write(kc.cpu(), vc.cpu(), key.cpu(), value.cpu(), md.slot_mapping.cpu())
+    exp_k, exp_v = ref_kv_write(kc.cpu(), vc.cpu(), key.cpu(), value.cpu(), md.kv_rows.cpu())
     TorchAttentionBackend().write_kv(kc, vc, key, value, md)
     torch.testing.assert_close(kc.cpu(), exp_k, atol=0, rtol=0)  # exact: copy plus the same bf16 cast
     torch.testing.assert_close(vc.cpu(), exp_v, atol=0, rtol=0)

@@ -74,8 +74,8 @@ def _end_to_end(backend, dtype: torch.dtype, seq_lens: list[int], query_lens: li
     expected = reference(b)
     kc, vc = b.key_cache.clone(), b.value_cache.clone()
     # The new tokens are not in the cache yet: their slots hold NaN until write_kv fills them.
-    kc.view(-1, 2, 48)[b.md.slot_mapping] = float("nan")
-    vc.view(-1, 2, 48)[b.md.slot_mapping] = float("nan")
+    kc.view(-1, 2, 48)[b.md.kv_rows] = float("nan")
+    vc.view(-1, 2, 48)[b.md.kv_rows] = float("nan")
     backend.write_kv(kc, vc, b.key, b.value, b.md)
     out = backend.forward(b.q, kc, vc, b.md, default_scale(48))
     assert out.shape == b.q.shape and out.dtype == b.q.dtype

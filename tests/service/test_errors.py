@@ -135,8 +135,8 @@ def test_health_503_while_warming(tiny_llama_dir: Path, monkeypatch: pytest.Monk
 
 def test_engine_errors_map_to_statuses() -> None:
     from engine.errors import EngineDead, EngineError, InvalidRequest, PinCapExceeded, QueueFull
-    from service.errors import from_engine
-    got = {type(e).__name__: (from_engine(e).status, from_engine(e).param, from_engine(e).headers) for e in
+    from service.errors import to_api_error
+    got = {type(e).__name__: (to_api_error(e).status, to_api_error(e).param, to_api_error(e).headers) for e in
            [InvalidRequest("bad", param="top_p"), QueueFull("full"), PinCapExceeded("cap"), EngineDead("dead"),
             EngineError("boom")]}
     assert got == {"InvalidRequest": (400, "top_p", {}), "QueueFull": (429, None, {"Retry-After": "1"}),

@@ -34,7 +34,7 @@ class KVStat(NamedTuple):
 class Addressing:
     """Where one step's tokens live in a cache, as the attention kernels read it."""
 
-    rows: np.ndarray                       # [num_tokens] int64: each new token's K/V row (slot_mapping)
+    kv_rows: np.ndarray                    # [num_tokens] int64: each new token's K/V row
     block_tables: np.ndarray | None        # [num_seqs, max_blocks] int32 (block tables)
     slot_ids: list[int] | None             # each sequence's slot (virtually contiguous caches)
 

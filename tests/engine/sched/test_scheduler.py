@@ -49,7 +49,8 @@ def plan(out: SchedulerOutput) -> list[tuple[str, int, bool]]:
 
 
 def test_scheduler_imports_no_torch() -> None:
-    code = "import sys, engine.sched.scheduler, engine.kv.block_manager; assert 'torch' not in sys.modules, 'torch loaded'"
+    code = ("import sys, engine.sched.scheduler, engine.kv.block_manager; "
+            "assert 'torch' not in sys.modules, 'torch loaded'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

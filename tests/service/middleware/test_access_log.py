@@ -138,7 +138,7 @@ def test_log_level_and_text_format(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_text_line_escapes_what_a_client_controls(caplog: pytest.LogCaptureFixture) -> None:
     """A path is the only free text in a line: quoted and escaped, it cannot forge another line."""
-    from service import access_log
+    from service.middleware import access_log
     line = access_log._text({"request_id": "r-1", "path": '/v1/x"\nINFO forged=1', "status": 404})
     assert "\n" not in line and line == 'request_id=r-1 path="/v1/x\\"\\nINFO forged=1" status=404'
     assert request_id("  ") != request_id("  ") and len(request_id(None)) == 32

@@ -44,9 +44,9 @@ import numpy as np
 import torch
 
 from engine.kv.backends.base import Addressing, KVStat
-from engine.kv.block_manager import Placement
 from engine.kv.backends.vattention.slots import SlotTable
 from engine.kv.backends.vattention.vmm import OS_PAGE_BYTES, HostVirtualMemory, mapping_budget
+from engine.kv.block_manager import Placement
 from engine.models.llama import ModelArgs
 
 
@@ -190,7 +190,7 @@ class VAttentionCache:
     def stats(self, blocks_of: Callable[[int], int]) -> dict[str, KVStat]:
         live = sum(blocks_of(seq_id) for seq_id in self.slots.slot_of)
         return {
-            "page_bytes": KVStat("gauge", self.page_bytes, "Bytes of one page (block_size tokens, every layer's K and V)"),
+            "page_bytes": KVStat("gauge", self.page_bytes, "Bytes of one page (block_size tokens, all layers)"),
             "num_slots": KVStat("gauge", self._reserved, "vAttention slots reserved (virtual address space)"),
             "busy_slots": KVStat("gauge", len(self.slots.slot_of), "vAttention slots held by a sequence"),
             "mapped_pages": KVStat("gauge", self.slots.num_mapped, "vAttention page mappings in place (in use and "

@@ -54,7 +54,7 @@ class VirtualMemory(Protocol):
         ...
 
     def release(self, addr: int, nbytes: int) -> None:
-        """Give a reservation (and whatever is mapped in it) back."""
+        """Give a reservation (and whatever is mapped in it) back. Views of it must be gone first."""
         ...
 
     def map(self, addr: int, page: int) -> None:
@@ -82,8 +82,12 @@ def _check(addr: int | None, what: str) -> int:
 
 
 class _Mappings:
-    """Owns the process resources; released when the last tensor view and the VirtualMemory are gone
-    (views keep it alive through their buffer), so no tensor can outlive its memory."""
+    """Owns the process resources (the memfd and every range still mapped); released when the last tensor
+    view and the VirtualMemory are gone (views keep it alive through their buffer).
+
+    NOTE: what this does not cover: `HostVirtualMemory.release(addr, n)` unmaps a reservation at once,
+    whatever views of it still exist; a view of a released range (or of a page unmapped back to
+    PROT_NONE) faults when touched. Callers drop their views of a range before releasing it."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd

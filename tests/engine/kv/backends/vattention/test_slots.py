@@ -81,7 +81,7 @@ def test_the_manager_allocates_the_block_already_mapped_in_place_when_it_is_free
     assert table[:2] == [3, 4]
 
 
-def test_a_fork_gets_its_own_slot_mapping_its_parents_blocks() -> None:
+def test_a_fork_gets_its_own_slot_that_maps_its_parents_blocks() -> None:
     pool = BlockPool(8)
     slots = SlotTable(num_slots=2, pages_per_slot=4)
     manager = BlockManager(pool, block_size=4, fingerprint="fp", placement=slots)

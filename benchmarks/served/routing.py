@@ -37,7 +37,7 @@ import aiohttp
 from tqdm import tqdm
 
 from benchmarks.common import add_common_args, command_line, new_figure, print_result, write_results
-from benchmarks.deployment import Deployment, get, metric, post
+from benchmarks.served.deployment import Deployment, get, metric, post
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware", "registered")
 ANCHOR = {"hit_rate_round_robin": 0.20, "hit_rate_cache_aware": 0.75, "throughput_ratio": 1.9}
@@ -221,7 +221,7 @@ def plot(rows: dict[str, dict[str, Any]]) -> Any:
     return fig
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.routing") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.served.routing") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)

@@ -2,7 +2,7 @@
 beam search (width), on short and long prompts, against the vLLM paper (figure 15, Alpaca trace:
 6.1-9.8% saved with parallel sampling, 37.6-55.2% with beam search), and throughput with sharing on/off.
 
-    python -m benchmarks.sharing [--quick] [--model DIR] [--num-prompts N]
+    python -m benchmarks.offline.sharing [--quick] [--model DIR] [--num-prompts N]
 
 Workloads: ShareGPT-like lengths (benchmarks.common.sharegpt_like_lengths, seeded) times --scale;
 "long" prompts are the same prompts 4x longer with the same outputs. Random prompt tokens, EOS ignored
@@ -128,7 +128,7 @@ def plot(rows: list[dict[str, Any]]):
     return fig
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.sharing") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.offline.sharing") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)

@@ -5,7 +5,7 @@ padded batches (up to --hf-batch requests, while max prompt + max output <= 2048
 `generate` with max_new_tokens = the batch's longest output, EOS ignored. Both sides get the same
 prompts and count the same tokens: the requested output tokens.
 
-    python -m benchmarks.throughput [--quick] [--model DIR] [--num-prompts N]
+    python -m benchmarks.offline.throughput [--quick] [--model DIR] [--num-prompts N]
 
 The engine runs first, then transformers (one model in memory at a time), on the same torch threads.
 """
@@ -81,7 +81,7 @@ def plot(engine_tok_s: float, hf_tok_s: float, ratio: float):
     return fig
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.throughput") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.offline.throughput") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)

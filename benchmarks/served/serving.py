@@ -2,8 +2,8 @@
 method), plus the cost of HTTP streaming: output tokens/s through the server vs the offline `engine.LLM`
 on the same workload.
 
-    .venv/bin/python benchmarks/serving.py --quick             # demo model, a few minutes on a laptop CPU
-    .venv/bin/python benchmarks/serving.py --model DIR --num-prompts 200 --request-rates 2,4,8,inf
+    .venv/bin/python benchmarks/served/serving.py --quick             # demo model, a few minutes on a laptop CPU
+    .venv/bin/python benchmarks/served/serving.py --model DIR --num-prompts 200 --request-rates 2,4,8,inf
 
 The server runs as a subprocess (`python -m service`), so client and server do not share a GIL. Every
 request asks for exactly `--output-len` tokens (ignore_eos, temperature 0); each run gets fresh random
@@ -31,7 +31,7 @@ from tqdm import tqdm
 from benchmarks.common import scratch_dir
 from engine.kv import backends as kv_backends
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

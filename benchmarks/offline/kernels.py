@@ -1,7 +1,7 @@
 """GPU benchmark of the paged attention kernels against contiguous SDPA on the same data.
 
-    python benchmarks/kernels.py                 # full sweep, ~a few minutes on an H100
-    python benchmarks/kernels.py --quick         # batch {1, 32} x context {1K, 16K}, fewer prefill shapes
+    python benchmarks/offline/kernels.py                 # full sweep, ~a few minutes on an H100
+    python benchmarks/offline/kernels.py --quick         # batch {1, 32} x context {1K, 16K}, fewer prefill shapes
 
 Llama-3-8B-like attention: 32 query heads, 8 KV heads, head_dim 128, bf16, block size 16, blocks of
 each sequence scattered at random over the cache (as after a while of serving).
@@ -33,12 +33,12 @@ from tqdm import tqdm
 
 # Run as a script, this file's own directory heads sys.path and its name `kernels` would shadow the
 # package: put the repository root first.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernels.paged_decode import paged_decode, pick_num_splits  # noqa: E402
 from kernels.paged_prefill import paged_prefill  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 FLUSH_BYTES = 512 << 20   # > L2 of every current datacenter GPU (H100: 50 MB, B200: 126 MB)
 
 
@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); "
+        sys.exit("benchmarks/offline/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); "
                  "the kernels' correctness tests run on CPU with `make test` instead.")
     if triton.knobs.runtime.interpret:
         sys.exit("unset TRITON_INTERPRET: the benchmark times compiled kernels, not the interpreter")

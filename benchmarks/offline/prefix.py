@@ -1,7 +1,7 @@
 """Prefix caching: time to first token with a registered prefix, its cost when nothing hits, pinning
 under memory pressure, and the vLLM paper's few-shot shared-prefix case (section 6.4, figure 16).
 
-    python -m benchmarks.prefix [--quick] [--model DIR] [--reps N]
+    python -m benchmarks.offline.prefix [--quick] [--model DIR] [--reps N]
 
 1. TTFT. A 1,024-token prefix registered with `pin_prefix`, plus a fresh 64-token suffix per request,
    max_tokens=1. TTFT = wall time from add_request to the step that returns the token. Cached: an
@@ -132,7 +132,7 @@ def plot(res: dict[str, Any]):
     return fig
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.prefix") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.offline.prefix") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)

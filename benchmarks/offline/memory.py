@@ -1,7 +1,7 @@
 """KV-cache memory: one request trace replayed through our paged block pool and through contiguous
 reservation (the vLLM paper's Orca baselines, section 6 / figure 2). Pure Python, no model.
 
-    python -m benchmarks.memory [--quick] [--num-requests N] [--memory-tokens M]
+    python -m benchmarks.offline.memory [--quick] [--num-requests N] [--memory-tokens M]
 
 Trace: ShareGPT-like lengths (benchmarks.common.sharegpt_like_lengths: log-normal, mean 161 in /
 338 out, seed), prompt + output clipped to max_model_len (2048, OPT's, as in the paper). All requests are
@@ -250,7 +250,7 @@ def plot(results: dict[str, dict[str, float]]):
     return fig
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.memory") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.offline.memory") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)

@@ -10,8 +10,8 @@ Same model for every row (default: the built-in SmolLM2-135M-Instruct Q4_1 GGUF)
 - 16 streams: 16 requests at once; tok/s = all output tokens / wall time (prefill included);
 - rows: prefixserve with weights dequantized to fp32 (`--quantization none`), int8 and int4 (the
   GGUF's own Q4_1 blocks), int4 again with `--compile-decode` (its compile time at startup shown), and
-  llama.cpp (llama-cpp-python on the same GGUF, n_threads the same) when
-  it can be imported; otherwise llama.cpp's figures recorded on this machine kind are shown, marked so.
+  llama.cpp (llama-cpp-python on the same GGUF, n_threads the same) when it can be imported here;
+  otherwise llama.cpp is reported absent and no ratio against it is computed (never a recorded figure).
 - bound: the tokens per second that memory bandwidth allows if every step reads the weights once
   (batch 1: bytes of the weights read per token + that step's KV; 16 streams: the same bytes buy 16
   tokens), with bandwidth measured here by a large tensor copy; `of bound` = measured / bound.
@@ -32,11 +32,6 @@ from benchmarks.common import add_common_args, command_line, new_figure, print_r
 from engine import LLM, SamplingParams
 from engine.models.default import default_model_path
 
-# llama.cpp (llama-cpp-python 0.3.36 built here with CMAKE_ARGS=-DGGML_NATIVE=ON, the Q4_1 GGUF as shipped)
-# measured on this machine kind (2-core AMD EPYC, 2 threads, 64 output tokens, idle machine) by this
-# benchmark on 2026-11-23 (benchmarks/README.md); used when llama_cpp cannot be imported here. (The issue's
-# 73.0 / 68.8 tok/s came from a generic build: the native one is the harder peer.)
-LLAMA_CPP_RECORDED = {"batch1_tok_s": 137.3, "streams16_tok_s": 125.9}
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "How many legs does a spider have?",
              "What is 12 times 12?", "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
              "Give me a synonym for happy.", "What planet is known as the red planet?",
@@ -159,12 +154,11 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench decode") 
         del llm
     gguf = args.model or str(default_model_path())
     peer = llama_cpp(gguf, prompts, args.output_len, args.rounds, args.threads) if gguf.endswith(".gguf") else None
-    recorded = peer is None
-    peer = peer or dict(LLAMA_CPP_RECORDED)
     best = max(rows, key=lambda r: r["batch1_tok_s"])
-    result = {"bandwidth_gb_s": bw, "rows": rows, "llama_cpp": peer, "llama_cpp_recorded": recorded,
-              "batch1_vs_llama_cpp": best["batch1_tok_s"] / peer["batch1_tok_s"],
-              "streams16_vs_llama_cpp": max(r["streams16_tok_s"] for r in rows) / peer["streams16_tok_s"],
+    result = {"bandwidth_gb_s": bw, "rows": rows, "llama_cpp": peer,
+              "batch1_vs_llama_cpp": best["batch1_tok_s"] / peer["batch1_tok_s"] if peer else None,
+              "streams16_vs_llama_cpp": max(r["streams16_tok_s"] for r in rows) / peer["streams16_tok_s"]
+              if peer else None,
               "best": best["name"], "best_of_bound_batch1": best["batch1_tok_s"] / best["bound1"]}
     lines = ["| engine | weights read per step | batch 1 tok/s | bound | of bound | 16 streams tok/s | bound | "
              "of bound | start |",
@@ -173,21 +167,26 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench decode") 
         lines.append(f"| {r['name']} | {r['weights_mb']:.0f} MB | {r['batch1_tok_s']:.1f} | {r['bound1']:.0f} | "
                      f"{r['batch1_tok_s'] / r['bound1']:.2f} | {r['streams16_tok_s']:.1f} | {r['bound16']:.0f} | "
                      f"{r['streams16_tok_s'] / r['bound16']:.2f} | {r['start_s']:.1f} s |")
-    lines.append(f"| llama.cpp{' (recorded, not run here)' if recorded else ''} | | {peer['batch1_tok_s']:.1f} | | | "
-                 f"{peer['streams16_tok_s']:.1f} (one at a time) | | | |")
+    if peer is not None:
+        lines.append(f"| llama.cpp | | {peer['batch1_tok_s']:.1f} | | | {peer['streams16_tok_s']:.1f} (one at a time) "
+                     "| | | |")
+        versus = (f"Best batch 1 ({best['name']}) / llama.cpp: **{result['batch1_vs_llama_cpp']:.2f}x**; best 16 "
+                  f"streams / llama.cpp's one-at-a-time server: **{result['streams16_vs_llama_cpp']:.2f}x**.")
+    else:
+        lines.append("| llama.cpp | absent: llama_cpp cannot be imported here | | | | | | | |")
+        versus = "llama.cpp absent: no ratio against it."
     table = "\n".join(lines) + (
-        f"\n\nBest batch 1 ({best['name']}) / llama.cpp: **{result['batch1_vs_llama_cpp']:.2f}x**; best 16 streams / "
-        f"llama.cpp's one-at-a-time server: **{result['streams16_vs_llama_cpp']:.2f}x**. Copy bandwidth "
+        f"\n\n{versus} Copy bandwidth "
         f"{bw:.1f} GB/s; bound = bandwidth / (weight bytes + KV bytes read per step). {args.output_len} output "
         f"tokens, {args.rounds} batch-1 requests (median), 16 chat prompts, {args.threads} threads; start: the "
         f"engine's construction (load, quantize, compile). Model: "
         f"{Path(model_path or '').name}.")
     fig, (ax,) = new_figure()
-    names = [r["name"].removeprefix("prefixserve, ").replace(", compiled", "\ncompiled") for r in rows] + ["llama.cpp"]
+    shown = rows + ([{"name": "llama.cpp", **peer}] if peer else [])
+    names = [r["name"].removeprefix("prefixserve, ").replace(", compiled", "\ncompiled") for r in shown]
     xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], [r["batch1_tok_s"] for r in rows] + [peer["batch1_tok_s"]], 0.4, label="batch 1")
-    ax.bar([x + 0.2 for x in xs], [r["streams16_tok_s"] for r in rows] + [peer["streams16_tok_s"]], 0.4,
-           label="16 streams")
+    ax.bar([x - 0.2 for x in xs], [r["batch1_tok_s"] for r in shown], 0.4, label="batch 1")
+    ax.bar([x + 0.2 for x in xs], [r["streams16_tok_s"] for r in shown], 0.4, label="16 streams")
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("output tok/s")
     ax.legend()

@@ -1,0 +1,1 @@
+"""Benchmarks that drive the engine in this process (LLM / LLMEngine), one per module."""
