@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import cli
-from benchmarks.offline import memory, prefix, sharing
 from benchmarks.common import median_ratio, random_prompts
+from benchmarks.offline import memory, prefix, sharing
 from engine.kv.block_manager import BlockManager, PrefixHit
 from engine.kv.block_pool import BlockPool
 
