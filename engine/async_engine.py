@@ -1,9 +1,10 @@
 """AsyncEngine: the asyncio face of the engine, and the service's whole view of it.
 
-    add, generate, abort                        requests and their streams (RequestStream)
+    add, generate, abort                        requests and their streams (RequestStream); a request
+                                                with structured output is admitted once its grammar
+                                                compiled, on a grammar thread of its own
     pin_prefix, unpin_prefix                    named prefixes: compute and pin, unpin
     reset_prefix_cache, stats                   the router's cache flush; a snapshot for metrics and load
-    compile_grammar                             structured output, compiled off the loop before `add`
     tokenizer, fingerprint, tokenizer_version,  what never changes once the model is loaded
     max_model_len, block_size, vocab_size,
     model_name, model_path, config
@@ -31,7 +32,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,6 @@ from engine.core import EngineStats
 from engine.errors import EngineDead, EngineError, InvalidRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import PinnedPrefix, RequestOutput
-from engine.sample.structured import StructuredSpec
 from engine.sequence import EngineRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -164,6 +164,8 @@ class AsyncEngine:
         self._pins_waiting: set[str] = set()                                 # engine-thread side
         self._pin_ids = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        # structured output's grammars compile here (seconds for a large schema), off the loop and the engine
+        self._grammar_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._wakeup: asyncio.Event | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
@@ -189,6 +191,7 @@ class AsyncEngine:
         for rid, stream in list(self._streams.items()):
             stream._fail(rid, EngineDead("the engine is shutting down"))
         self._executor.shutdown(wait=True)
+        self._grammar_executor.shutdown(wait=False, cancel_futures=True)
         self._core.close()
 
     @property
@@ -210,8 +213,27 @@ class AsyncEngine:
         stream = stream or RequestStream(self)
         stream._submitted(rid)
         self._streams[rid] = stream
-        self._send(("add", request))
+        if params.structured is None:
+            self._send(("add", request))
+        else:   # its grammar compiles first, on the grammar thread: neither the loop nor the engine waits
+            loop = asyncio.get_running_loop()
+            fut = self._grammar_executor.submit(self._core.grammars.compile, params.structured)
+            fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._compiled, request, stream, f))
         return stream
+
+    def _compiled(self, request: EngineRequest, stream: RequestStream, fut: Future[Any]) -> None:
+        """On the loop, once a request's grammar compiled: admit it, or refuse it through its stream. A
+        request aborted meanwhile (its stream no longer holds it) is dropped."""
+        rid = request.request_id
+        if self._streams.get(rid) is not stream or rid not in stream._open:
+            return
+        exc = fut.exception()
+        if exc is None:
+            self._send(("add", request))
+            return
+        self._streams.pop(rid, None)
+        stream._fail(rid, exc if isinstance(exc, EngineError) else
+                     EngineError(f"structured output: the grammar failed to compile: {exc}"))
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -265,12 +287,6 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """A snapshot taken by the engine thread after its last step."""
         return self._stats
-
-    def compile_grammar(self, spec: StructuredSpec) -> None:
-        """Compiles a structured-output constraint into the engine's grammar cache, on the calling thread
-        (seconds for a large schema: call it off the event loop), so that admitting the request finds it
-        compiled. Raises InvalidRequest for a constraint that does not compile. Thread-safe."""
-        self._core.grammars.compile(spec)
 
     def _send(self, cmd: tuple[Any, ...]) -> None:
         self._commands.put(cmd)

@@ -73,15 +73,24 @@ class Generation:
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
+    @classmethod
+    async def begin(cls, engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, metrics: Metrics,
+                    on_finish: Callable[[Usage], None] | None = None, echo: list[str] | None = None) -> Generation:
+        """A Generation, started: every engine request admitted (else the first refusal is raised and
+        nothing is left running)."""
+        gen = cls(engine, prompts, params, metrics, on_finish, echo)
+        await gen.start()
+        return gen
+
     async def start(self) -> None:
         """Submits every engine request and waits until the engine admitted them all; raises the first
         refusal (the others are then aborted)."""
-        for i, ids in enumerate(self.prompts):
-            rid = f"{self.id}-{i}"
-            self._stream = self._engine.add(ids, self._params, request_id=rid, stream=self._stream)
-            self._prompt_of[rid] = i
-        assert self._stream is not None
         try:
+            for i, ids in enumerate(self.prompts):
+                rid = f"{self.id}-{i}"
+                self._stream = self._engine.add(ids, self._params, request_id=rid, stream=self._stream)
+                self._prompt_of[rid] = i
+            assert self._stream is not None
             await self._stream.accepted()
         except BaseException:
             self.close()

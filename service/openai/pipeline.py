@@ -8,13 +8,16 @@ the router's render all take the same stages, in this order, each stage in one m
     prefix      PrefixRegistry.snapshot (prefix_store)   404 unknown prefix        event loop
     limits      check_choices (here)                     400 too many choices      event loop
     tokenize    render.tokenize (chat template, prefix)  400                       tokenizer thread
-    grammar     AsyncEngine.compile_grammar              400 bad constraint        tokenizer thread
-    submit      Generation.start (AsyncEngine.add)       400, 429, 503             event loop
-    answer      sse.stream, or Generation.collect        (errors after the headers: an SSE error event)
+    submit      Generation.begin (AsyncEngine.add)       400 (a grammar that does  event loop (grammars
+                                                         not compile), 429, 503    compile on the engine's
+                                                                                   grammar thread)
+    answer      the surface's Shaper: sse.stream, or     (errors after the headers: an SSE error event)
+                Generation.collect
 
 A surface hands the pipeline only its shaping (a Shaper: the id/object head, the chunks of one delta,
-the body of a whole answer); the WebSocket and the render endpoints take `prepare` and `submit` and
-answer in their own shape. A body that takes seconds to parse, render or tokenize (hundreds of prompts,
+the body of a whole answer), made once the request is submitted: on its way to the engine a request
+enters each module once. The WebSocket and the render endpoints take `prepare` (and `submit`) and answer
+in their own shape. A body that takes seconds to parse, render or tokenize (hundreds of prompts,
 a long conversation) would stall every stream and /health on the loop, so those stages run on the one
 tokenizer thread; the registry belongs to the loop, so the prefix is looked up there, between the two,
 and handed over as an immutable snapshot.
@@ -29,7 +32,6 @@ from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
-from engine.errors import InvalidRequest
 from engine.sequence import SamplingParams
 from prefix_store.errors import PrefixNotFound
 from prefix_store.registry import PrefixSnapshot
@@ -61,7 +63,7 @@ async def read_body(request: web.Request, timeout: float) -> bytes:
 
 @dataclass
 class Prepared:
-    """A request through parse, prefix, limits, tokenize and grammar: ready to submit."""
+    """A request through parse, prefix, limits and tokenize: ready to submit."""
 
     parsed: Parsed
     prompts: list[list[int]]
@@ -83,24 +85,13 @@ class Shaper(Protocol):
 
 
 async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool) -> Prepared:
-    """parse -> prefix -> limits -> tokenize -> grammar (the module docstring's stages)."""
+    """parse -> prefix -> limits -> tokenize (the module docstring's stages)."""
     max_choices = ready.config.max_choices
     parsed = await off_loop(ready.executor, lambda: params.parse(raw, chat, ready.model_name, max_choices))
     prefix = _snapshot(ready, parsed.req.prefix)
     check_choices(parsed.num_prompts, parsed.req.params, max_choices)
-    spec = parsed.req.params.structured
-    engine = ready.engine
-
-    def tokenize() -> list[list[int]]:
-        prompts = render.tokenize(parsed, engine.tokenizer, prefix)
-        if spec is not None:        # compiled here, off the loop: the engine then finds it cached
-            try:
-                engine.compile_grammar(spec)
-            except InvalidRequest as exc:
-                raise invalid(exc.message, exc.param) from None
-        return prompts
-
-    return Prepared(parsed, await off_loop(ready.executor, tokenize), ready)
+    tokenizer = ready.engine.tokenizer
+    return Prepared(parsed, await off_loop(ready.executor, lambda: render.tokenize(parsed, tokenizer, prefix)), ready)
 
 
 def _snapshot(ready: Ready, name: str | None) -> PrefixSnapshot | None:
@@ -119,15 +110,25 @@ def check_choices(num_prompts: int, sampling: SamplingParams, max_choices: int) 
         raise invalid(f"the number of prompts times {param} must be at most {max_choices}", param)
 
 
-def submit(prepared: Prepared, metrics: Metrics) -> Generation:
-    """The Generation of a prepared request (its engine requests are submitted by `start()`); a request
-    that named a prefix is counted against it when it ends."""
-    ready, req = prepared.ready, prepared.req
-    registry, name = ready.registry, req.prefix
-    on_finish: Callable[[Usage], Any] | None = None
-    if registry is not None and name is not None:
-        on_finish = lambda usage: registry.record_use(name, usage.cached_tokens)  # noqa: E731
-    return Generation(ready.engine, prepared.prompts, req.params, metrics, on_finish, echo=_echo(prepared))
+def _on_finish(prepared: Prepared) -> Callable[[Usage], Any] | None:
+    """A request that named a prefix is counted against it when it ends (the per-prefix metrics)."""
+    registry, name = prepared.ready.registry, prepared.req.prefix
+    if registry is None or name is None:
+        return None
+    return lambda usage: registry.record_use(name, usage.cached_tokens)
+
+
+async def submit(prepared: Prepared, metrics: Metrics) -> Generation:
+    """A prepared request's Generation, its engine requests admitted (else the refusal is raised and
+    nothing is left running). The caller closes it."""
+    return await Generation.begin(prepared.ready.engine, prepared.prompts, prepared.req.params, metrics,
+                                  _on_finish(prepared), echo=_echo(prepared))
+
+
+def generation(prepared: Prepared, metrics: Metrics) -> Generation:
+    """The same, not started (the WebSocket starts it itself, so that a cancel can reach it at once)."""
+    return Generation(prepared.ready.engine, prepared.prompts, prepared.req.params, metrics, _on_finish(prepared),
+                      echo=_echo(prepared))
 
 
 def _echo(prepared: Prepared) -> list[str] | None:
@@ -148,10 +149,9 @@ async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], S
     ready = request.app[STATE].ready()
     raw = await read_body(request, ready.config.body_timeout)
     prepared = await prepare(ready, raw, chat)
-    shape = shaper(prepared)
-    gen = submit(prepared, request.app[METRICS])
+    gen = await submit(prepared, request.app[METRICS])
     try:
-        await gen.start()
+        shape = shaper(prepared)
         if prepared.req.stream:
             usage_chunk = {**shape.head(gen), "choices": []} if prepared.req.include_usage else None
             return await sse.stream(request, gen, lambda d: shape.chunks(gen, d), usage_chunk,

@@ -20,7 +20,6 @@ from prefix_store.registry import PrefixSnapshot
 from service.errors import ApiError, invalid
 from service.openai.params import Parsed
 from service.openai.schema import ChatCompletionRequest, ChatMessage, CompletionRequest
-from service.openai.tools import template_renders_tools
 
 
 def tokenize(parsed: Parsed, tokenizer: Any, prefix: PrefixSnapshot | None) -> list[list[int]]:
@@ -50,6 +49,19 @@ def tokenize(parsed: Parsed, tokenizer: Any, prefix: PrefixSnapshot | None) -> l
     if all(isinstance(p, str) for p in prompt):
         return [head + encode_prompt(tokenizer, p, special_tokens=False) for p in prompt]  # type: ignore[arg-type]
     return [head + p for p in parse_prompts(body, tokenizer)]
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the chat template shows `tools` to the model (it renders differently with one)."""
+    probe = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "probe_tool_7f3a", "description": "probe",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    try:
+        with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False, add_generation_prompt=True)
+        without = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    except Exception:
+        return False
+    return bool(with_tools != without and "probe_tool_7f3a" in with_tools)
 
 
 def parse_prompts(req: CompletionRequest, tokenizer: Any) -> list[list[int]]:

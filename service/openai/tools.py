@@ -78,19 +78,6 @@ def _canonical(arguments: Any) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def template_renders_tools(tokenizer: Any) -> bool:
-    """Whether the chat template shows `tools` to the model (it renders differently with one)."""
-    probe = [{"role": "user", "content": "hi"}]
-    tool = {"type": "function", "function": {"name": "probe_tool_7f3a", "description": "probe",
-                                             "parameters": {"type": "object", "properties": {}}}}
-    try:
-        with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False, add_generation_prompt=True)
-        without = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-    except Exception:
-        return False
-    return bool(with_tools != without and "probe_tool_7f3a" in with_tools)
-
-
 def parse_auto(text: str, tool_names: set[str]) -> tuple[str | None, list[ToolCallOut]]:
     """(content, tool calls) of an "auto" answer. Only calls to declared tools with object arguments
     count; an answer holding none is all content."""

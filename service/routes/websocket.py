@@ -121,7 +121,7 @@ class Session:
         try:
             ready = self.state.ready()
             prepared = await pipeline.prepare(ready, live.body, chat="messages" in live.body)
-            gen = pipeline.submit(prepared, self.request.app[METRICS])
+            gen = pipeline.generation(prepared, self.request.app[METRICS])
             live.gen, live.reasons = gen, [None] * gen.num_choices
             if not live.cancelled:
                 await gen.start()

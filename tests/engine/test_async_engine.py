@@ -296,3 +296,45 @@ async def test_aborting_a_stream_before_it_is_admitted_releases_its_waiter(tiny_
         assert eng.stats().kv_blocks_used == 0
     finally:
         await eng.shutdown()
+
+
+async def test_grammars_compile_off_the_loop_and_the_engine_thread(tiny_model_dir: Path) -> None:
+    """A structured request waits for its grammar on the grammar thread: meanwhile other requests are
+    admitted and finish; a request aborted before its grammar compiled never reaches the engine; a
+    grammar that does not compile is refused through the stream."""
+    from engine.sample.structured import StructuredSpec
+
+    eng = AsyncEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
+    await eng.start()
+    try:
+        grammars = eng._core.grammars
+        release = threading.Event()
+        real = grammars.compile
+        compiled_on: list[str] = []
+
+        def slow_compile(spec: StructuredSpec) -> Any:
+            compiled_on.append(threading.current_thread().name)   # (the engine thread's later calls: cache hits)
+            if spec.param == "slow":
+                release.wait(30)
+            return real(spec)
+
+        grammars.compile = slow_compile  # type: ignore[method-assign]
+        spec = StructuredSpec("regex", "[ab]{3}", "slow")
+        slow = eng.add(toks(5, 1), SamplingParams(max_tokens=8, temperature=0.0, structured=spec))
+        plain = await eng.add(toks(5, 2), SamplingParams(max_tokens=3, temperature=0.0)).final()
+        assert plain[0].finished and not slow.finished             # the plain one ran while the grammar compiled
+        dropped = eng.add(toks(5, 3), SamplingParams(max_tokens=8, temperature=0.0, structured=spec))
+        dropped.abort()
+        release.set()
+        (out,) = await slow.final()
+        text = out.outputs[0].text
+        assert len(text) == 3 and set(text) <= {"a", "b"}, text
+        for _ in range(3):
+            await asyncio.sleep(0.05)
+        assert eng._core.requests == {} and eng.stats().kv_blocks_used == 0
+        assert compiled_on[0] == "grammar_0"
+        bad = eng.add(toks(5, 4), SamplingParams(max_tokens=4, structured=StructuredSpec("json_schema", "{", "x")))
+        with pytest.raises(InvalidRequest):
+            await bad.final()
+    finally:
+        await eng.shutdown()
