@@ -19,7 +19,7 @@ fi
 SP=$("$DIR/vllm/bin/python" -c "import site; print(site.getsitepackages()[0])")
 if ! "$DIR/vllm/bin/python" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
   mkdir -p "$SP/vllm-0.32.0.dist-info"
-  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n' > "$SP/vllm-0.32.0.dist-info/METADATA"
+  printf "Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n" > "$SP/vllm-0.32.0.dist-info/METADATA"
   : > "$SP/vllm-0.32.0.dist-info/RECORD"
 fi
 

@@ -14,7 +14,7 @@ from engine.kv import backends as kv_backends
 from engine.kv.events import KVEventsConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 QUANTIZATIONS = ("none", "int8", "int4")
 
 
@@ -28,7 +28,9 @@ class EngineConfig:
     model: str | None = knob(None, "model: a Hugging Face checkpoint directory (safetensors) or a .gguf file "
                                    "(default: the built-in model)")
     device: str = knob("cpu", "torch device: cpu, cuda, cuda:1, ...")
-    dtype: str = knob("float32", "weights and KV cache dtype", DTYPES)
+    dtype: str = knob("float32", "weights and activations dtype (quantized layers keep their own)", DTYPES)
+    kv_cache_dtype: str | None = knob(None, "KV cache dtype (default: bfloat16 when the weights are quantized on the "
+                                            "CPU, else --dtype)", DTYPES)
     quantization: str | None = knob(None, "weights kept quantized on the CPU: none, int8 (per row) or int4 (per group "
                                           "of 32; GGUF Q4_0 / Q4_1 nibbles kept as they are). Default: the "
                                           "checkpoint's own (int4 for a 4-bit GGUF, int8 for Q5-Q8, none otherwise)",
@@ -40,7 +42,9 @@ class EngineConfig:
     max_num_batched_tokens: int = knob(2048, "most tokens in one step's batch (prefill chunks are cut to fit)")
     max_model_len: int | None = knob(None, "context length cap (default: the model's)")
     max_num_waiting: int = knob(1024, "waiting queue cap; beyond it requests are refused (HTTP 429)")
-    attention_backend: str | None = knob(None, "attention kernels (default: triton on CUDA, torch elsewhere)",
+    attention_backend: str | None = knob(None, "attention kernels: triton (GPU), cpu (C++ decode kernel and flash "
+                                               "prefill), torch (default: triton on CUDA; on the CPU, cpu for a "
+                                               "bfloat16 KV cache, torch for float32 (the exact path))",
                                          ATTENTION_BACKENDS)
     kv_backend: str = knob("paged", "KV cache backend: paged (block tables, PagedAttention) or vattention (each "
                                     "request's KV virtually contiguous, pages mapped on demand; CPU only for now)",
@@ -70,6 +74,8 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
             (self.max_num_waiting >= 1, "max_num_waiting must be >= 1"),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
+            (self.kv_cache_dtype is None or self.kv_cache_dtype in DTYPES,
+             f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}"),
             (0.0 <= self.pinned_fraction <= 1.0, "pinned_fraction must be within [0, 1]"),
             (self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1"),
             (self.quantization is None or self.quantization in QUANTIZATIONS,
@@ -95,7 +101,5 @@ class EngineConfig:
                                  "directory (a directory with config.json)")
         if self.kv_events_config is not None:
             KVEventsConfig.from_json(self.kv_events_config)     # ValueError naming what is wrong
-        if self.attention_backend is None:
-            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
-        if self.attention_backend not in ATTENTION_BACKENDS:
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

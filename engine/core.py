@@ -100,7 +100,15 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.vocab_size = args.vocab_size
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        dtype = _DTYPES[config.dtype]
+        on_cpu = torch.device(config.device).type == "cpu"
+        # the KV cache in bfloat16 when the weights are quantized (already approximate): half the bytes every
+        # decode step reads; float32 caches stay for the exact path (quantization none, dtype float32)
+        self.kv_cache_dtype = config.kv_cache_dtype or (
+            "bfloat16" if on_cpu and loaded.quantization != "none" else config.dtype)
+        self.attention_backend = config.attention_backend or (
+            "triton" if torch.device(config.device).type == "cuda" else
+            "cpu" if self.kv_cache_dtype == "bfloat16" else "torch")
+        dtype = _DTYPES[self.kv_cache_dtype]
         backend = kv_backends.get(config.kv_backend)
         self.block_size = backend.block_size(args, dtype, config.block_size)
         if self.block_size != config.block_size:
@@ -112,8 +120,7 @@ class EngineCore:
         events = KVEventsConfig.from_json(config.kv_events_config) if config.kv_events_config else None
         sink = KVEventQueue(events.max_queue_size) if events is not None and events.enabled else None
         self.pool = BlockPool(num_blocks, max_pinned_blocks=int(num_blocks * config.pinned_fraction), events=sink)
-        assert config.attention_backend is not None
-        attention = backend.attention(config.attention_backend)
+        attention = backend.attention(self.attention_backend)
         self.kv_cache: KVStore = backend.create(CacheSpec(args, num_blocks, self.block_size, dtype, config.device,
                                                           self.max_model_len, config.max_num_seqs, attention,
                                                           config.map_ahead_tokens))

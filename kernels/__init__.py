@@ -29,6 +29,11 @@ class Attention(Protocol):
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
+    def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        """write_kv, then forward: what one layer of a step does (a backend may fuse the two)."""
+        ...
+
 
 class AttentionBackend(Attention, Protocol):
     """Attention over a paged cache, and the paged cache's block copy (copy-on-write)."""

@@ -24,6 +24,11 @@ class ContiguousTorchBackend:
         key_cache.flatten(0, 1).index_copy_(0, md.kv_rows, key.to(key_cache.dtype))
         value_cache.flatten(0, 1).index_copy_(0, md.kv_rows, value.to(value_cache.dtype))
 
+    def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.write_kv(key_cache, value_cache, key, value, md)
+        return self.forward(q, key_cache, value_cache, md, scale)
+
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]
@@ -35,8 +40,8 @@ class ContiguousTorchBackend:
         for i, (slot, seq_len, q_len) in enumerate(zip(md.slot_ids.tolist(), md.seq_lens_list, md.query_lens_list)):
             s, e = starts[i], starts[i + 1]
             # the slot's first seq_len rows: a view, no copy, no table
-            out[s:e] = attend(q[s:e], key_cache[slot, :seq_len], value_cache[slot, :seq_len], scale,
-                              causal_offset=seq_len - q_len)
+            out[s:e] = attend(q[s:e], key_cache[slot, :seq_len].to(q.dtype), value_cache[slot, :seq_len].to(q.dtype),
+                              scale, causal_offset=seq_len - q_len)
         return out
 
     def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -50,7 +55,7 @@ class ContiguousTorchBackend:
         qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = torch.empty_like(qg)
         for i, (slot, seq_len) in enumerate(zip(md.slot_ids.tolist(), md.seq_lens_list)):  # type: ignore[union-attr]
-            k = key_cache[slot, :seq_len].transpose(0, 1)[None]
-            v = value_cache[slot, :seq_len].transpose(0, 1)[None]
+            k = key_cache[slot, :seq_len].transpose(0, 1)[None].to(q.dtype)     # (a bf16 cache: a float copy)
+            v = value_cache[slot, :seq_len].transpose(0, 1)[None].to(q.dtype)
             out[i:i + 1] = torch.nn.functional.scaled_dot_product_attention(qg[i:i + 1], k, v, scale=scale)
         return out.reshape(num_seqs, num_heads, head_dim)

@@ -30,6 +30,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     slot_ids: torch.Tensor | None = None   # [num_seqs] int32: each sequence's slot (contiguous caches only)
+    prefill_list: list[bool] | None = None   # per sequence: its chunk computes prompt tokens (None: query_len > 1)
     scratch: dict[str, Any] = field(default_factory=dict, repr=False)  # per-step values a backend derives once
 
     @property
@@ -38,4 +39,9 @@ class AttentionMetadata:
 
     @property
     def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
+        return self.max_query_len == 1 and not any(self.prefill_list or ())
+
+    def is_prefill(self, i: int) -> bool:
+        """Sequence i computes prompt tokens this step (a one-token chunk may: the last prompt token
+        of a request whose other tokens all hit the prefix cache)."""
+        return self.query_lens_list[i] > 1 or bool(self.prefill_list and self.prefill_list[i])

@@ -21,6 +21,11 @@ class TorchAttentionBackend:
         key_cache.view(-1, h, d).index_copy_(0, md.kv_rows, key.to(key_cache.dtype))
         value_cache.view(-1, h, d).index_copy_(0, md.kv_rows, value.to(value_cache.dtype))
 
+    def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.write_kv(key_cache, value_cache, key, value, md)
+        return self.forward(q, key_cache, value_cache, md, scale)
+
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]
@@ -32,8 +37,8 @@ class TorchAttentionBackend:
         for i, (seq_len, q_len) in enumerate(zip(md.seq_lens_list, md.query_lens_list)):
             nb = -(-seq_len // block_size)
             blocks = md.block_tables[i, :nb].long()
-            k = key_cache[blocks].flatten(0, 1)[:seq_len]      # [seq_len, Hkv, D]
-            v = value_cache[blocks].flatten(0, 1)[:seq_len]
+            k = key_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)      # [seq_len, Hkv, D]
+            v = value_cache[blocks].flatten(0, 1)[:seq_len].to(q.dtype)
             s, e = starts[i], starts[i + 1]
             out[s:e] = attend(q[s:e], k, v, scale, causal_offset=seq_len - q_len)
         return out
@@ -43,10 +48,11 @@ class TorchAttentionBackend:
         # One query token per sequence: gather every sequence's context, padded to max_seq_len, by slot.
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = key_cache.shape[2]
-        slots, mask = _decode_gather(md, key_cache.shape[1])
-        k = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(num_seqs, -1, num_kv_heads, head_dim)
+        slots, mask, pad = _decode_gather(md, key_cache.shape[1])
+        k = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(
+            num_seqs, -1, num_kv_heads, head_dim).to(q.dtype).masked_fill_(pad, 0.0)
         v = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(
-            num_seqs, -1, num_kv_heads, head_dim)
+            num_seqs, -1, num_kv_heads, head_dim).to(q.dtype).masked_fill_(pad, 0.0)
         # The query heads of one KV head form that head's "query rows": q [S, Hkv, G, D] vs k [S, Hkv, L, D].
         qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -74,12 +80,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
     return out.transpose(0, 1)
 
 
-def _decode_gather(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slot of every (sequence, position < max_seq_len) and the additive mask of padded positions,
-    computed once per step and shared by every layer (kept on the metadata object).
+def _decode_gather(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cache row of every (sequence, position < max_seq_len), the additive mask of padded positions and
+    the padding itself [S, L, 1, 1], computed once per step and shared by every layer (kept on the
+    metadata object).
 
-    NOTE: padded positions read slot 0 (whatever it holds) and are masked with -inf, so a stale NaN
-    there never reaches the output: SDPA gives masked keys exactly zero weight.
+    NOTE: padded positions read row 0 (whatever it holds) and are masked with -inf; the gathered rows
+    are also zeroed there, because a NaN in row 0 would otherwise reach the output (NaN x 0 weight).
     """
     cached = md.scratch.get("decode_gather")
     if cached is None:
@@ -88,6 +95,6 @@ def _decode_gather(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor
         pad = pos[None, :] >= md.seq_lens[:, None].long()                               # [S, L]
         slots = md.block_tables.long()[:, pos // block_size] * block_size + pos % block_size
         mask = torch.zeros(pad.shape, device=dev).masked_fill_(pad, float("-inf"))[:, None, None, :]
-        cached = (slots.masked_fill_(pad, 0).view(-1), mask)                           # [S * L], [S, 1, 1, L]
+        cached = (slots.masked_fill_(pad, 0).view(-1), mask, pad[:, :, None, None])    # [S * L], [S, 1, 1, L]
         md.scratch["decode_gather"] = cached
     return cached

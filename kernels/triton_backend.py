@@ -23,6 +23,11 @@ class TritonAttentionBackend:
         # key / value: [num_tokens, num_kv_heads, head_dim]
         kv_write(key_cache, value_cache, key, value, md.kv_rows)
 
+    def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.write_kv(key_cache, value_cache, key, value, md)
+        return self.forward(q, key_cache, value_cache, md, scale)
+
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]

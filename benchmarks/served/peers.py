@@ -9,7 +9,8 @@ Each system's OpenAI server is started on loopback, one at a time, and driven by
     vLLM CPU      `<vllm venv>/bin/python -m vllm.entrypoints.openai.api_server` on the float32 checkpoint
                   our GGUF loader caches, --dtype bfloat16, --enable-prefix-caching, its OpenMP threads
                   bound to the cores this process may use (VLLM_CPU_OMP_THREADS_BIND), 4 GiB of KV cache
-    llama.cpp     `<llama venv>/bin/python -m llama_cpp.server` on the GGUF itself (its own 4-bit kernels)
+    llama.cpp     `<llama venv>/bin/python -m llama_cpp.server` on the GGUF itself (its own 4-bit kernels);
+                  one request at a time (its server queues them: --interrupt_requests False)
 
 Workloads (greedy; every request generates exactly its max_tokens: `ignore_eos` where the server has it,
 `min_tokens` where it does not):
@@ -172,7 +173,8 @@ def make_servers(args: argparse.Namespace, checkpoint: str, gguf: str) -> tuple[
                          "--served-model-name", MODEL, "--dtype", "bfloat16", "--enable-prefix-caching",
                          "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "2048",
                          "--disable-log-stats"],
-                {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": str(n)},
+                {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": str(n),
+                 "VLLM_TARGET_DEVICE": "cpu"},
                 0, 1200, {"ignore_eos": True}, version=package_version(python, "vllm-cpu"))
     if "llama.cpp" in args.systems:
         python, why = peer_python(args.llama_cpp_python, "PREFIXSERVE_PEER_LLAMA_CPP")
@@ -182,7 +184,7 @@ def make_servers(args: argparse.Namespace, checkpoint: str, gguf: str) -> tuple[
             servers["llama.cpp"] = Server(
                 "llama.cpp", [python, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", MODEL,
                               "--n_threads", str(n), "--n_ctx", "4096", "--n_batch", "512", "--host", "127.0.0.1",
-                              "--port", "{port}"],
+                              "--port", "{port}", "--interrupt_requests", "False"],   # queue, not cut, requests
                 {}, 0, 300, {"min_tokens": "{max_tokens}"}, version=package_version(python, "llama_cpp_python"))
     return servers, absent
 
@@ -350,8 +352,11 @@ def run_loadgen(server: Server, w: Workload, vllm_python: str | None, checkpoint
                 "--base-url", server.url, "--endpoint", "/v1/completions", "--model", MODEL,
                 "--tokenizer", checkpoint, "--dataset-name", "random", "--random-input-len", "128",
                 "--random-output-len", "64", "--request-rate", "2", "--num-prompts", str(num_prompts),
-                "--ignore-eos", "--seed", str(w.loadgen_seed), "--save-result", "--result-dir", tmp,
+                "--seed", str(w.loadgen_seed), "--save-result", "--result-dir", tmp,
                 "--result-filename", "r.json", "--disable-tqdm"]
+        # every request generates exactly 64 tokens: the way each server is told so (sampling_fields)
+        argv += ["--ignore-eos"] if "ignore_eos" in server.sampling else \
+            ["--extra-body", json.dumps(sampling_fields(server, 64))]
         out = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
                              env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
         path = Path(tmp) / "r.json"
@@ -385,7 +390,11 @@ def run_system(server: Server, w: Workload, args: argparse.Namespace, vllm_pytho
             if step not in args.workloads:
                 continue
             figures["load"][step] = os.getloadavg()[0]
-            figures |= fn()
+            try:
+                figures |= fn()
+            except RuntimeError as exc:         # this workload only: the system's other figures stand
+                print(f"{server.name}, {step}: {exc}", file=sys.stderr)
+                figures.setdefault("failed", {})[step] = str(exc)[:500]
     finally:
         server.stop()
     return figures
@@ -479,6 +488,10 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench peers") -
     table, ratios = report(medians, systems, {s: why for s, why in absent.items() if s not in medians or "failed" in
                                               why})
     loads = {s: [f["load"] for f in fs] for s, fs in runs.items()}
+    for s, fs in runs.items():
+        for f in fs:
+            for step, why in f.get("failed", {}).items():
+                table += f"\n\n**{s}, {step}: failed** ({why[:300]})"
     table += (f"\n\nMedians over {args.rounds} round(s), systems alternating; 1-minute load average before each "
               f"workload: " + "; ".join(f"{s} {json.dumps(v)}" for s, v in loads.items()) +
               "\n\nVersions: " + ", ".join(f"{s} {servers[s].version}" for s in servers) +

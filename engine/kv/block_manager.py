@@ -22,6 +22,7 @@ class SeqBlocks:
     blocks: list[Block] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)   # chained hashes of the full blocks so far
     num_cached_blocks: int = 0                                # leading blocks already registered in the pool
+    computing: list[BlockHash] = field(default_factory=list)  # prompt blocks it computes for the cache (in flight)
 
 
 class Placement(Protocol):
@@ -55,6 +56,11 @@ class BlockManager:
         self._root = root_hash(fingerprint)
         self._seqs: dict[int, SeqBlocks] = {}
         self.pending_copies: list[tuple[int, int]] = []   # (src, dst) block copies for copy-on-write
+        # NOTE: in-flight prefix dedupe. A full prompt block a running sequence is computing now, by hash ->
+        # that sequence: a waiting request whose next uncached block is in flight waits for it rather than
+        # computing it again (scheduler). Entries leave when the block is cached (commit) or when their
+        # sequence gives its blocks back (finished, aborted, preempted): a waiter then computes it itself.
+        self._inflight: dict[BlockHash, int] = {}
 
     # -- hashing ------------------------------------------------------------------------------
     def block_hashes(self, token_ids: Seq[int], known: list[BlockHash] | None = None) -> list[BlockHash]:
@@ -100,8 +106,11 @@ class BlockManager:
             new += sum(1 for blk in hit.blocks if blk.evictable)
         return new
 
-    def allocate(self, seq_id: int, token_ids: Seq[int], hit: PrefixHit, num_tokens: int) -> bool:
-        """Start a sequence's table: take the hit blocks, then new blocks for `num_tokens` tokens."""
+    def allocate(self, seq_id: int, token_ids: Seq[int], hit: PrefixHit, num_tokens: int,
+                 prompt_hashes: Seq[BlockHash] = ()) -> bool:
+        """Start a sequence's table: take the hit blocks, then new blocks for `num_tokens` tokens.
+        `prompt_hashes`: its prompt's full blocks; those past the hit that nobody computes yet are marked
+        in flight, computed by this sequence."""
         assert seq_id not in self._seqs, f"sequence {seq_id} already has blocks"
         if self.blocks_needed(seq_id, num_tokens, hit) > self.pool.num_free:
             return False
@@ -111,7 +120,18 @@ class BlockManager:
         self._seqs[seq_id] = state
         if self.placement is not None:
             self.placement.attach(seq_id, [blk.block_id for blk in hit.blocks])
-        return self.grow(seq_id, num_tokens)
+        if not self.grow(seq_id, num_tokens):
+            return False
+        if self.enable_prefix_caching:
+            for h in prompt_hashes[len(hit.blocks):]:
+                if h not in self._inflight:
+                    self._inflight[h] = seq_id
+                    state.computing.append(h)
+        return True
+
+    def in_flight(self, block_hash: BlockHash) -> int | None:
+        """The running sequence computing this block for the cache now, if one is."""
+        return self._inflight.get(block_hash)
 
     def grow(self, seq_id: int, num_tokens: int, write_from: int | None = None) -> bool:
         """Make room for `num_tokens` tokens in all. If the block that position `write_from` falls in
@@ -163,6 +183,8 @@ class BlockManager:
             for i in range(state.num_cached_blocks, full):
                 self.pool.cache_full_block(state.blocks[i], state.hashes[i], token_ids[i * b:(i + 1) * b],
                                            parent=state.hashes[i - 1] if i > 0 else None)
+                if self._inflight.get(state.hashes[i]) == seq_id:
+                    del self._inflight[state.hashes[i]]
         state.num_cached_blocks = full
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -176,6 +198,9 @@ class BlockManager:
     def free(self, seq_id: int) -> None:
         state = self._seqs.pop(seq_id, None)
         if state is not None:
+            for h in state.computing:
+                if self._inflight.get(h) == seq_id:
+                    del self._inflight[h]
             self.pool.free(state.blocks)
             if self.placement is not None:
                 self.placement.detach(seq_id)

@@ -26,6 +26,16 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def project(layer: nn.Module, x: torch.Tensor, wide: bool) -> torch.Tensor:
+    """One projection. Quantized layers (engine/models/quant.py) also take `wide`: the step carries a prefill
+    chunk, so they use their bfloat16 GEMM whatever the row count.
+
+    NOTE: why per step and not per row count alone: a prompt's tokens must go through the same kernel
+    whether they are computed in one prefill or in two (a registered prefix, then the request's own
+    tokens), or a named prefix would not give the inline request's answer."""
+    return layer(x, wide) if getattr(layer, "takes_wide", False) else layer(x)
+
+
 @dataclass
 class ModelArgs:
     architecture: str
@@ -150,22 +160,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
         self.scale = args.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                wide: bool = False) -> torch.Tensor:
         # x: [T, hidden]
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = project(self.qkv_proj, x, wide).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = attend(q, k, v)                                                  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        return project(self.o_proj, out.reshape(t, self.q_size), wide)
 
 
 def backend_attend(backend: AttentionOps, md: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The eager Attend: the backend writes this step's K/V, then attends."""
-    backend.write_kv(key_cache, value_cache, k, v, md)
-    return backend.forward(q.contiguous(), key_cache, value_cache, md, scale)
+    """The eager Attend: the backend writes this step's K/V, then attends (one fused call where it can)."""
+    return backend.attend(q.contiguous(), k, v, key_cache, value_cache, md, scale)
 
 
 class MLP(nn.Module):
@@ -175,9 +185,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+        gate, up = project(self.gate_up_proj, x, wide).split([self.inter, self.inter], dim=-1)
+        return project(self.down_proj, nn.functional.silu(gate) * up, wide)
 
 
 class DecoderLayer(nn.Module):
@@ -188,9 +198,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                wide: bool = False) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, wide)
+        return x + self.mlp(self.post_attention_layernorm(x), wide)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -216,8 +227,10 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T]; key_caches: [num_layers, num_blocks, block_size, Hkv, D] -> [T, hidden]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        wide = not md.is_decode_only                     # a prefill chunk: quantized layers take their GEMM
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, partial(backend_attend, backend, md, key_caches[i], value_caches[i], self.scale))
+            x = layer(x, cos, sin, partial(backend_attend, backend, md, key_caches[i], value_caches[i], self.scale),
+                      wide)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

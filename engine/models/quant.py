@@ -8,6 +8,19 @@
            Other weights (K-quants, F16, F32) are quantized round-to-nearest, min/max per group.
     int8   8-bit weights with one scale per output row (`_weight_int8pack_mm`), round-to-nearest.
 
+Steps decide the kernel: a step with a prefill chunk, or of `DENSE_FROM_ROWS` rows or more, takes the
+bfloat16 GEMM (engine/models/llama.py `project` says why prefill always does). The CPU's int4 and int8
+kernels read each weight row once per input row (a matrix-vector product per row), so they win while a
+step has a few rows (decode of a few sequences: memory-bound, half or a quarter of bf16's bytes) and
+lose to a bfloat16 GEMM (oneDNN, AVX-512 BF16) once a step has many (prefill chunks, wide decode batches:
+compute-bound). Measured on this 2-core CPU over the 120 projections of SmolLM2 with weights cold in
+memory, per step, casts included: int4 4.95 / 8.1 / 13.7 / 18.9 / 24.7 / 87 ms at 1 / 4 / 8 / 10 / 16 / 64
+rows against bfloat16's 11.5 / 14.5 / 16.0 / 17.7 / 21.1 / 44.7 ms (the crossover moves by a row or two
+from run to run). Every quantized layer therefore also keeps its weight in bfloat16 (2 bytes a
+parameter: 212 MB for SmolLM2's layers, 56 MB for its head), reordered once into oneDNN's blocked layout.
+(8-bit activations would be twice as fast again on VNNI, but cost too much accuracy on this model:
+measured 13-17 of 20 first tokens equal to float32's, against int4's 20.)
+
 The output projection (lm_head, tied to the embedding in SmolLM2: 49,152 x 576, a fifth of the model)
 is quantized as the layers are, with its top 64 logits recomputed exactly from the float weight
 (QuantLogits), so greedy choices do not depend on the 4-bit rounding; the embedding lookup reads one
@@ -17,7 +30,7 @@ NOTE: precision. The CPU kernels are fast with bfloat16 activations only (fp32 a
 slow path, 20x slower here), so a quantized layer casts its input to bfloat16 and its output back;
 scales and zeros are bfloat16 too. Everything else (norms, attention, residuals, logits) stays in the
 serving dtype. Greedy output is therefore close to, not equal to, the dequantized model's:
-tests/engine/test_quant.py states the tolerance and measures the agreement.
+tests/engine/models/test_quant.py and test_real_model.py state the tolerance and measure the agreement.
 """
 from __future__ import annotations
 
@@ -31,6 +44,26 @@ from engine.config import QUANTIZATIONS
 
 GROUP = 32                       # GGUF's block size for Q4_0 / Q4_1 / Q8_0, and our int4 group
 _ACT = torch.bfloat16
+DENSE_FROM_ROWS = 10             # steps of this many rows or more use the bfloat16 weight (measured above)
+# oneDNN's matmul on a weight reordered once into its blocked layout (what inductor's freezing does for
+# CPU linears): measured 15.5 / 44.7 ms a step at 16 / 64 rows against 29.7 / 58.3 for F.linear, which
+# reorders the weight on every call; equal results.
+_PACKED = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack_dense(w: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight as the bfloat16 GEMM path reads it (oneDNN's layout where available)."""
+    w = w.to(_ACT).contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(w, 64) if _PACKED else w
+
+
+def dense_linear(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The bfloat16 GEMM path: x [T, in] (any float dtype) @ W^T (+ b), W as `pack_dense` made it -> x's dtype."""
+    xb = x.to(_ACT)
+    b = None if bias is None else bias.to(_ACT)
+    y = torch.ops.mkldnn._linear_pointwise(xb, dense, b, "none", [], "") if _PACKED else \
+        torch.nn.functional.linear(xb, dense, b)
+    return y.to(x.dtype)
 
 
 def int4_fits(w: torch.Tensor) -> bool:
@@ -41,16 +74,28 @@ def int4_fits(w: torch.Tensor) -> bool:
 class Int4Linear(nn.Module):
     """y = x @ W^T (+ b) with W as 4-bit groups; x: [T, in] in any float dtype, y in x's dtype."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None) -> None:
-        # q: [out, in] int32 in 0..15; scale, zero: [out, in // GROUP]
+    dense: torch.Tensor
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
+                 dense: torch.Tensor | None = None) -> None:
+        # q: [out, in] int32 in 0..15; scale, zero: [out, in // GROUP]; dense: the float weight the wide
+        # path uses (default: these 4-bit values, dequantized)
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2))
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()         # [in // GROUP, out, 2]
         self.register_buffer("scale_zero", sz.to(_ACT))
+        if dense is None:    # (q - 8) * scale + zero, with the kernel's bfloat16 scale and zero
+            s, z = scale.to(_ACT).float(), zero.to(_ACT).float()
+            dense = ((q.float() - 8).view(self.out_features, -1, GROUP) * s[..., None] + z[..., None]).view(q.shape)
+        self.register_buffer("dense", pack_dense(dense))
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    takes_wide = True
+
+    def forward(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+        if wide or x.shape[0] >= DENSE_FROM_ROWS:
+            return dense_linear(x, self.dense, self.bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_ACT), self.packed, GROUP, self.scale_zero).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -63,11 +108,15 @@ class Int4Linear(nn.Module):
         d = (hi - lo) / 15
         safe = torch.where(d == 0, torch.ones_like(d), d)
         q = torch.clamp(torch.round((g - lo[..., None]) / safe[..., None]), 0, 15).reshape(out, inp)
-        return cls(q.to(torch.int32), d, lo + 8 * d, bias)
+        return cls(q.to(torch.int32), d, lo + 8 * d, bias, dense=w)
 
 
 class Int8Linear(nn.Module):
     """y = x @ W^T (+ b) with W as int8 rows, one scale per output row."""
+
+    dense: torch.Tensor
+    weight_q: torch.Tensor
+    scale: torch.Tensor
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -75,9 +124,14 @@ class Int8Linear(nn.Module):
         scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127
         self.register_buffer("weight_q", torch.round(w.float() / scale[:, None]).to(torch.int8))
         self.register_buffer("scale", scale.to(_ACT))
+        self.register_buffer("dense", pack_dense(self.weight_q.float() * self.scale.float()[:, None]))
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    takes_wide = True
+
+    def forward(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+        if wide or x.shape[0] >= DENSE_FROM_ROWS:
+            return dense_linear(x, self.dense, self.bias)
         y = torch.ops.aten._weight_int8pack_mm(x.to(_ACT), self.weight_q, self.scale).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -104,7 +158,11 @@ class QuantLogits(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.dense(x).float()                                          # [T, V] coarse
-        top = logits.topk(self.refine, dim=-1).indices                          # [T, k]
+        # NOTE: rows coming from the bfloat16 GEMM (a wide step) are off by bfloat16 rounding only, where
+        # 4-bit rows are off by a few tenths: their top 16 are refined (measured: 9.5 -> 4.5 ms a step at 64
+        # rows), the 4-bit ones' top 64.
+        k = self.refine if x.shape[0] < DENSE_FROM_ROWS else min(self.refine, 16)
+        top = logits.topk(k, dim=-1).indices                                    # [T, k]
         exact = torch.einsum("tkh,th->tk", self.weight[top].float(), x.float())
         return logits.scatter_(1, top, exact)
 

@@ -12,6 +12,7 @@ cumulative sum cost a few milliseconds and are just as batch-invariant.
 """
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, field
 
@@ -60,11 +61,16 @@ class Sampler:
         num_rows = logits.shape[0]
         assert len(params) == num_rows == len(generators), (logits.shape, len(params), len(generators))
         logits = logits.float()
-        broken = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)     # [N]
+        # NOTE: one pass over the vocabulary gives both the log-normalizer and the broken rows: a NaN logit
+        # makes a row's log-sum-exp NaN, a +inf logit makes it +inf (torch's logsumexp handles infinities);
+        # log-probabilities are then logit - lse, for the few tokens reported, never a [N, V] log_softmax.
+        lse = torch.logsumexp(logits, dim=-1)                            # [N]
+        broken = torch.isnan(lse) | torch.isposinf(lse)                  # [N]
         failed = broken.nonzero().flatten().tolist()
         if failed:
             logits = logits.masked_fill(broken[:, None], 0.0)
-        raw_logprobs = torch.log_softmax(logits, dim=-1)                 # [N, V]
+            lse = torch.where(broken, torch.full_like(lse, math.log(logits.shape[-1])), lse)
+        raw = logits                                                     # the raw logits, before processors
         if contexts is not None:
             logits = logits_processors.apply(logits, params, contexts)
         token_ids = logits.argmax(dim=-1)                                # [N]; greedy answer for every row
@@ -88,9 +94,9 @@ class Sampler:
         if failed:
             token_ids[broken] = 0
         ids = token_ids.tolist()
-        logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+        logprobs = (raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse).tolist()
         return SamplerOutput(token_ids=ids, logprobs=logprobs,
-                             top_logprobs=self._top_logprobs(raw_logprobs, ids, logprobs, params), failed=failed)
+                             top_logprobs=self._top_logprobs(raw, lse, ids, logprobs, params), failed=failed)
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The exact distribution `__call__` draws each row from: [N, V], rows sum to 1.
@@ -142,15 +148,16 @@ class Sampler:
         return torch.zeros_like(logits).scatter_(-1, order, sorted_probs)
 
     @staticmethod
-    def _top_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int], logprobs: list[float],
+    def _top_logprobs(raw: torch.Tensor, lse: torch.Tensor, token_ids: list[int], logprobs: list[float],
                       params: list[SamplingParams]) -> list[dict[int, float]] | None:
         # One topk over all rows at the largest n asked; each row keeps its own first n.
         # A dict holds n entries, or n + 1 when the sampled token is not among the top n.
         wanted = [p.logprobs for p in params]
         if all(n is None for n in wanted):
             return None
-        max_n = min(max(n for n in wanted if n is not None), raw_logprobs.shape[-1])
-        values, ids = raw_logprobs.topk(max_n, dim=-1)                  # [N, max_n], sorted
+        max_n = min(max(n for n in wanted if n is not None), raw.shape[-1])
+        values, ids = raw.topk(max_n, dim=-1)                           # [N, max_n], sorted
+        values = values - lse[:, None]
         values_l, ids_l = values.tolist(), ids.tolist()
         out: list[dict[int, float]] = []
         for row, n in enumerate(wanted):

@@ -6,7 +6,8 @@ Each step, in this order, under the budgets `max_num_seqs` and `max_num_batched_
   2. running sequences still in a chunked prefill, with the tokens left in the budget (a smaller chunk
      when blocks are short; with no block at all, the youngest running sequence is preempted);
   3. waiting sequences, first come first served: their prompt is looked up in the prefix cache and
-     only the rest is scheduled (a chunk of it if the budget is short).
+     only the rest is scheduled (a chunk of it if the budget is short); one whose next prompt block
+     another running sequence is computing waits for it (in-flight dedupe) and lets the next ones go.
 A sequence samples a token in a step iff that step's chunk reaches its last token.
 """
 from __future__ import annotations
@@ -115,8 +116,11 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
 
-        # 3. waiting sequences, FCFS: the head blocks the rest (no overtaking). Not in a step that
-        #    had to preempt: memory is short, admitting more would only thrash.
+        # 3. waiting sequences, FCFS: the head blocks the rest (no overtaking), except a sequence whose next
+        #    uncached prompt block another running sequence is computing right now (in-flight dedupe): it
+        #    waits for that block instead of computing it again, and the ones behind it go first. Not in a
+        #    step that had to preempt: memory is short, admitting more would only thrash.
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             if self.manager.enable_prefix_caching:
@@ -124,11 +128,16 @@ class Scheduler:
             # prompt log-probabilities need every prompt position computed: no prefix-cache hit then
             hit = self.manager.lookup(seq.token_ids, seq.block_hashes) if seq.params.prompt_logprobs is None \
                 else PrefixHit((), 0)
+            if self._waits_for_inflight(seq, hit):
+                deferred.append(self.waiting.popleft())
+                continue
             num_new = min(seq.num_tokens - hit.num_tokens, budget)
             # keep a small watermark of free blocks for running decodes, so admissions do not thrash
+            prompt_hashes = seq.block_hashes[:seq.num_prompt_tokens // self.manager.block_size]
             if (self.running and self.manager.blocks_needed(seq.seq_id, hit.num_tokens + num_new, hit)
                     > self.manager.pool.num_free - self.watermark) or \
-                    not self.manager.allocate(seq.seq_id, seq.token_ids, hit, hit.num_tokens + num_new):
+                    not self.manager.allocate(seq.seq_id, seq.token_ids, hit, hit.num_tokens + num_new,
+                                              prompt_hashes if seq.params.prompt_logprobs is None else ()):
                 if not self.running and not out.scheduled:
                     # Nothing runs that could free blocks: this one can never fit.
                     self.waiting.popleft()
@@ -147,10 +156,23 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed + num_new == seq.num_tokens))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))        # back at the front, in their order
 
         out.copies = self.manager.pending_copies
         self.manager.pending_copies = []
         return out
+
+    def _waits_for_inflight(self, seq: Sequence, hit: PrefixHit) -> bool:
+        """Its next prompt block is being computed by another running sequence (in-flight dedupe). It never
+        waits on itself, nor on a block nobody computes: an owner that finishes, is aborted or preempted
+        drops its claim (BlockManager.free), and the waiter computes the block itself."""
+        if not self.manager.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return False
+        nxt = len(hit.blocks)
+        if nxt >= seq.num_prompt_tokens // self.manager.block_size or nxt >= len(seq.block_hashes):
+            return False
+        owner = self.manager.in_flight(seq.block_hashes[nxt])
+        return owner is not None and owner != seq.seq_id
 
     def _youngest_unscheduled(self, scheduled_ids: set[int]) -> Sequence:
         for seq in reversed(self.running):

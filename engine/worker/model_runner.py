@@ -63,8 +63,9 @@ class ModelRunner:
         # position of every token: its sequence's start plus its offset within the chunk
         seq_of_token = np.repeat(np.arange(len(batch)), query_lens)
         positions = np.asarray(starts, dtype=np.int64)[seq_of_token] + (np.arange(total) - qsl[:-1][seq_of_token])
+        decoding = [s.seq.num_computed >= s.seq.num_prompt_tokens for s in batch]
         where = self.kv_cache.addressing([s.seq.seq_id for s in batch], block_tables, seq_lens, seq_of_token,
-                                         positions, [s.seq.num_computed >= s.seq.num_prompt_tokens for s in batch])
+                                         positions, decoding)
         logits_indices = [int(qsl[i + 1]) - 1 for i, s in enumerate(batch) if s.sample]
         dev = self.device
         tables = where.block_tables if where.block_tables is not None else np.zeros((len(batch), 0), np.int32)
@@ -78,6 +79,7 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             slot_ids=None if where.slot_ids is None else torch.tensor(where.slot_ids, dtype=torch.int32, device=dev),
+            prefill_list=[not d for d in decoding],
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.from_numpy(positions).to(dev), md,
                 torch.tensor(logits_indices, dtype=torch.long, device=dev))

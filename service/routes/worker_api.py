@@ -64,7 +64,8 @@ async def server_info(request: web.Request) -> web.Response:
         "max_model_len": engine.max_model_len, "max_num_seqs": cfg.max_num_seqs,
         "max_num_batched_tokens": cfg.max_num_batched_tokens, "num_kv_blocks": engine.stats().kv_blocks_total,
         "enable_prefix_caching": cfg.enable_prefix_caching, "fingerprint": engine.fingerprint,
-        "device": cfg.device, "dtype": cfg.dtype, "attention_backend": cfg.attention_backend,
+        "device": cfg.device, "dtype": cfg.dtype, "attention_backend": engine.attention_backend,
+        "kv_cache_dtype": engine.kv_cache_dtype,
         "kv_backend": cfg.kv_backend,
         "kv_events_config": dataclasses.asdict(events) if events is not None else None,
         "version": __version__})

@@ -166,3 +166,49 @@ def test_random_workloads_all_finish_within_budgets(reqs: list[tuple[int, int, i
         assert q in failed or q.num_output_tokens == q.max_tokens
     assert all(-(-len(q.token_ids) // B) > num_blocks for q in failed)  # only what can never fit fails
     assert s.manager.pool.stats().used == 0
+
+
+def shared(n: int, tail: int, first: int) -> Sequence:
+    """A prompt of n shared tokens (0..n-1) then `tail` tokens of its own."""
+    sid = next(_ids)
+    toks = list(range(n)) + [first + i for i in range(tail)]
+    return Sequence(sid, f"r{sid}", toks, SamplingParams(max_tokens=5), arrival=sid, max_tokens=5)
+
+
+def test_cold_requests_with_one_prefix_compute_it_once() -> None:
+    """In-flight dedupe: three requests arriving together with the same 16-token prefix. The first computes
+    it; the others, which the budget would have admitted beside it to compute the same tokens, wait for
+    its blocks and then compute only their own tails over the cached prefix."""
+    s = make(budget=24)
+    a, b, c = shared(16, 3, 100), shared(16, 3, 200), shared(16, 3, 300)
+    for x in (a, b, c):
+        s.add(x)
+    assert plan(step(s)) == [(a.request_id, 19, True)]                    # b, c wait for a's blocks
+    assert [x.status for x in (b, c)] == [Status.WAITING, Status.WAITING]
+    out = step(s)                                                          # a's 16 shared tokens are cached
+    assert plan(out) == [(a.request_id, 1, True), (b.request_id, 3, True), (c.request_id, 3, True)]
+    assert (b.num_cached_tokens, c.num_cached_tokens) == (16, 16)
+    assert s.prefix_queried_tokens - s.prefix_hit_tokens == 19 + 3 + 3   # the prefix once, each tail once
+
+
+def test_a_waiter_takes_over_when_the_computing_request_goes_away() -> None:
+    """Never wait on a request that is cancelled (or preempted): its claim on the blocks goes with it."""
+    s = make(budget=8)
+    a, b = shared(16, 3, 100), shared(16, 3, 200)
+    s.add(a)
+    s.add(b)
+    assert plan(step(s)) == [(a.request_id, 8, False)]
+    s.remove(a)                                                            # aborted mid-prefill
+    out = step(s)
+    assert plan(out) == [(b.request_id, 8, False)] and b.num_cached_tokens == 8   # a's first block was cached
+
+
+def test_a_deferred_request_lets_the_next_ones_go() -> None:
+    s = make(budget=12)
+    a, b, other = shared(8, 1, 100), shared(8, 1, 200), seq(3, first=500)
+    for x in (a, b, other):
+        s.add(x)
+    # b waits for a's in-flight blocks; `other` shares nothing and goes in the same step, then b, at the front
+    assert plan(step(s)) == [(a.request_id, 9, True), (other.request_id, 3, True)]
+    assert list(s.waiting) == [b]
+    assert (b.request_id, 1, True) in plan(step(s)) and b.num_cached_tokens == 8

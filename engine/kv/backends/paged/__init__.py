@@ -17,14 +17,17 @@ def _create(spec: CacheSpec) -> KVStore:
 
 
 def _attention(kernels: str) -> Attention:
-    """Paged attention: torch on the CPU, Triton on GPUs (kernels/)."""
+    """Paged attention: C++ and flash kernels or plain torch on the CPU, Triton on GPUs (kernels/)."""
     if kernels == "torch":
         from kernels.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
+    if kernels == "cpu":
+        from kernels.cpu_backend import CpuAttentionBackend
+        return CpuAttentionBackend()
     if kernels == "triton":
         from kernels.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()
-    raise ValueError(f"unknown attention kernels {kernels!r}; choose 'torch' or 'triton'")
+    raise ValueError(f"unknown attention kernels {kernels!r}; choose 'torch', 'cpu' or 'triton'")
 
 
 def _block_size(args: ModelArgs, dtype: torch.dtype, requested: int) -> int:

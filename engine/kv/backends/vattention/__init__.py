@@ -23,7 +23,7 @@ def _create(spec: CacheSpec) -> KVStore:
 def _attention(kernels: str) -> Attention:
     """Attention over contiguous ranges, no block table: torch SDPA over slot views on the CPU, the Triton
     kernels in their CONTIGUOUS mode on GPUs."""
-    if kernels == "torch":
+    if kernels in ("torch", "cpu"):       # SDPA over the slots' views reads in place already
         from kernels.contiguous_torch import ContiguousTorchBackend
         return ContiguousTorchBackend()
     if kernels == "triton":

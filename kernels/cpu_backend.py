@@ -1,0 +1,138 @@
+"""CpuAttentionBackend: the CPU path for paged caches, without a copy where a step is memory-bound.
+
+    decode rows (one query token)   the C++ paged decode kernel (kernels/cpu/paged_decode.cpp): K and V
+                                    read in place through the block table, every sequence in one call
+    prefill chunks                  torch's flash attention for the CPU, the chunk's queries over the
+                                    sequence's whole context (GQA native, causal lower-right)
+
+A mixed step runs both on its rows. A prompt's last token computed alone (the rest hit the prefix cache)
+is a prefill chunk of one: it takes the prefill path, so it comes out as it would in a longer chunk.
+Prefill is compute-bound, so gathering a sequence's context from its blocks costs little next to the
+products; decode is memory-bound, so it never gathers. Caches are float32 or bfloat16 ([num_blocks,
+block_size, Hkv, D] per layer, as every paged backend); every product accumulates in float32.
+
+Without a C++ compiler the decode rows take the torch backend's path (a gather per step); the rest is
+the same.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu import paged_decode as cpu_decode
+from kernels.cpu.build import KernelUnavailable
+from kernels.metadata import AttentionMetadata
+from kernels.torch_backend import TorchAttentionBackend
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        try:
+            cpu_decode._fn()
+            self.compiled = True
+        except KernelUnavailable:
+            self.compiled = False          # decode rows fall back to the torch backend's gather
+
+    def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A decode step's layer in one C++ call (write K/V, then attend); anything else as write + forward."""
+        if md.is_decode_only and self.compiled and q.dtype == key.dtype == torch.float32:
+            p = md.scratch.get("cpu_decode_plan")
+            if p is None:
+                num_heads, head_dim = q.shape[1], q.shape[2]
+                block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+                if not cpu_decode.supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype):
+                    p = md.scratch["cpu_decode_plan"] = False
+                else:
+                    p = md.scratch["cpu_decode_plan"] = cpu_decode.plan(
+                        md.block_tables, md.seq_lens, md.kv_rows, md.max_seq_len, block_size, num_kv_heads)
+            if p:
+                return cpu_decode.paged_decode_write(q, key, value, key_cache, value_cache, p, scale)
+        return super().attend(q, key, value, key_cache, value_cache, md, scale)
+
+    def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim], in q's dtype
+        dtype, q = q.dtype, q.float()
+        if md.is_decode_only:
+            return self._decode_rows(q, key_cache, value_cache, md.block_tables, md.seq_lens, md.max_seq_len, md,
+                                scale).to(dtype)
+        out = torch.empty_like(q)
+        starts = md.query_start_loc.tolist()
+        decode = [i for i in range(md.num_seqs) if not md.is_prefill(i)]
+        if decode:
+            index = torch.tensor(decode, dtype=torch.long)
+            rows = torch.tensor([starts[i] for i in decode], dtype=torch.long)
+            out[rows] = self._decode_rows(q[rows].contiguous(), key_cache, value_cache, md.block_tables[index],
+                                     md.seq_lens[index], max(md.seq_lens_list[i] for i in decode), None, scale)
+        block_size = key_cache.shape[1]
+        for i, seq_len in enumerate(md.seq_lens_list):
+            if not md.is_prefill(i):
+                continue
+            nb = -(-seq_len // block_size)
+            blocks = md.block_tables[i, :nb].long()
+            k = key_cache[blocks].flatten(0, 1)[:seq_len].float()          # [seq_len, Hkv, D]
+            v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
+            s, e = starts[i], starts[i + 1]
+            out[s:e] = extend_attention(q[s:e], k, v, scale)
+        return out.to(dtype)
+
+    def _decode_rows(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                     md: AttentionMetadata | None, scale: float) -> torch.Tensor:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+        if self.compiled and cpu_decode.supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype):
+            return cpu_decode.paged_decode(q, key_cache, value_cache, block_tables.contiguous(), seq_lens,
+                                           max_seq_len, scale)
+        if md is None:
+            md = _decode_metadata(block_tables, seq_lens, max_seq_len)
+        return super()._decode(q, key_cache, value_cache, md, scale)
+
+
+Q_TILE = 32         # the CPU flash kernel's query block for short queries
+MIN_TAIL = 4        # a last query block of fewer rows is computed another way (measured on torch 2.13)
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, D]: the last n positions of a sequence whose keys / values are k, v [L, Hkv, D] (L >= n)
+    -> [n, H, D]. Query j sits at position L - n + j and sees positions <= its own.
+
+    NOTE: one flash call over the whole context (GQA native). A whole prompt (n == L) is top-left causal,
+    which lets the kernel skip the masked tiles; a chunk over a cached context gets its lower-right mask
+    written out. Each query row then comes out bit-identical however the prompt was cut into chunks, as
+    long as its context has the same length (tested): a request that hits the blocks another request
+    computed gets the answer it would have computed itself. The kernel computes the rows of a last query
+    block of 1-3 rows another way, so such a block is padded with copies of the last row (dropped after).
+    (Attending to the cached context and to the chunk apart, merged by log-sum-exp, would need no mask but
+    rounds differently for every split point.)"""
+    n, length, num_heads, head_dim = q.shape[0], k.shape[0], q.shape[1], q.shape[2]
+    tail = n % Q_TILE
+    pad = MIN_TAIL - tail if 0 < tail < MIN_TAIL else 0
+    if pad:
+        q = torch.cat([q, q[-1:].expand(pad, num_heads, head_dim)])
+    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    if n == length:     # top-left causal: the padded rows past the end see every key (and are dropped)
+        out, _ = _flash(qh, kh, vh, 0.0, True, scale=scale)
+    else:
+        pos = torch.arange(length - n, length)
+        if pad:
+            pos = torch.cat([pos, pos.new_full((pad,), length - 1)])
+        mask = torch.zeros(n + pad, length, dtype=q.dtype).masked_fill_(
+            torch.arange(length)[None, :] > pos[:, None], float("-inf"))
+        out, _ = _flash(qh, kh, vh, 0.0, False, attn_mask=mask[None, None], scale=scale)
+    return out[0, :, :n].transpose(0, 1)
+
+
+def _decode_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> AttentionMetadata:
+    n = seq_lens.shape[0]
+    return AttentionMetadata(kv_rows=torch.zeros(n, dtype=torch.long), block_tables=block_tables, seq_lens=seq_lens,
+                             query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+                             seq_lens_list=seq_lens.tolist(), query_lens_list=[1] * n, max_query_len=1,
+                             max_seq_len=max_seq_len)
+
+
+__all__ = ["CpuAttentionBackend", "extend_attention"]

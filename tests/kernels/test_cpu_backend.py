@@ -1,0 +1,79 @@
+"""The CPU attention backend on mixed steps (decode rows, prefill chunks with and without a cached
+context) against the token-by-token float64 reference, float32 and bfloat16 caches, with the C++
+kernel and with its torch fallback."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_backend import CpuAttentionBackend, extend_attention
+from tests.kernels.batch import make_batch
+from tests.kernels.reference import default_scale, ref_attention
+
+CASES = [  # (seq_lens, query_lens): decode only, prefill only, a chunk over a cached context, all mixed
+    ([1, 17, 300], [1, 1, 1]),
+    ([40], [40]),
+    ([70, 33], [30, 33]),
+    ([1, 90, 17, 301, 64], [1, 1, 17, 45, 3]),
+]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cpu_backend_matches_reference(case: int, dtype: torch.dtype, compiled: bool) -> None:
+    seq_lens, query_lens = CASES[case]
+    b = make_batch(seq_lens, query_lens, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
+                   seed=case, device="cpu")
+    backend = CpuAttentionBackend()
+    if compiled and not backend.compiled:
+        pytest.skip("no C++ compiler to build the CPU kernels")
+    backend.compiled = compiled
+    q = b.q.float()
+    out = backend.forward(q, b.key_cache, b.value_cache, b.md, default_scale(64))
+    expected = ref_attention(q, b.key_cache, b.value_cache, b.md.block_tables, b.md.seq_lens_list,
+                             b.md.query_lens_list, default_scale(64))
+    # float32 products over the same cache values (bf16-rounded where the cache is bf16): float32 rounding only
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_a_chunk_attends_as_if_its_prompt_were_computed_whole() -> None:
+    """Metamorphic: the last rows of a prompt attended as a chunk over the cached context are bit-identical
+    to the same rows of the whole prompt attended in one call, for every split point (what lets a request
+    that hits another's blocks get the answer it would have computed itself)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(50, 8, 32, generator=gen)
+    k, v = torch.randn(50, 2, 32, generator=gen), torch.randn(50, 2, 32, generator=gen)
+    whole = extend_attention(q, k, v, 0.2)
+    mask = torch.arange(50)[None, :] <= torch.arange(50)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1), v.repeat_interleave(4, 1).transpose(0, 1),
+        attn_mask=mask, scale=0.2).transpose(0, 1)
+    torch.testing.assert_close(whole, ref, atol=1e-5, rtol=1e-5)
+    for n in range(1, 51):
+        torch.testing.assert_close(extend_attention(q[-n:], k, v, 0.2), whole[-n:], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_layer_in_one_call_equals_write_then_attend(dtype: torch.dtype) -> None:
+    """The fused decode call (write this step's K/V rows in C++, then attend) leaves the caches bit-identical
+    to torch's write (bf16 rounding to nearest even included) and gives the same output; K and V may be
+    strided views (V is a slice of the fused QKV projection in the model)."""
+    backend = CpuAttentionBackend()
+    if not backend.compiled:
+        pytest.skip("no C++ compiler to build the CPU kernels")
+    b = make_batch([5, 17, 300], [1, 1, 1], num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
+                   seed=11, poison=0.0, device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(3, 6 * 64 + 2 * 2 * 64, generator=gen)
+    q = qkv[:, :384].reshape(3, 6, 64).contiguous()
+    k = qkv[:, 384:512].reshape(3, 2, 64) * 1.5           # a new tensor (rotated K in the model)
+    v = qkv[:, 512:].view(3, 2, 64)                        # a strided view of the projection
+    assert v.stride(0) != k.stride(0)
+    kc1, vc1, kc2, vc2 = (c.clone() for c in (b.key_cache, b.value_cache, b.key_cache, b.value_cache))
+    fused = backend.attend(q, k, v, kc1, vc1, b.md, 0.125)
+    b.md.scratch.clear()
+    backend.write_kv(kc2, vc2, k, v, b.md)
+    apart = backend.forward(q, kc2, vc2, b.md, 0.125)
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+    torch.testing.assert_close(fused, apart, atol=0, rtol=0)
