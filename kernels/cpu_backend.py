@@ -49,7 +49,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 else:
                     p = md.scratch["cpu_decode_plan"] = cpu_decode.plan(
                         md.block_tables, md.seq_lens, md.kv_rows, md.max_seq_len, block_size, num_kv_heads)
-            if p:
+            if isinstance(p, cpu_decode.DecodePlan):
                 return cpu_decode.paged_decode_write(q, key, value, key_cache, value_cache, p, scale)
         return super().attend(q, key, value, key_cache, value_cache, md, scale)
 
