@@ -129,6 +129,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.kv_cache, attention, config.device)
         if config.compile_decode:
+            loaded.model.fast = False       # the compiled step runs the layers' own forward: one path for all steps
             took = self.runner.compile_decode(config.max_num_seqs)
             if self.runner.compiled is not None and self.runner.compiled.failed is None:
                 log.info("decode step compiled for batch buckets %s in %.1f s", self.runner.compiled.buckets, took)

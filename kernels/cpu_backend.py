@@ -47,8 +47,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 if not cpu_decode.supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype):
                     p = md.scratch["cpu_decode_plan"] = False
                 else:
-                    p = md.scratch["cpu_decode_plan"] = cpu_decode.plan(
-                        md.block_tables, md.seq_lens, md.kv_rows, md.max_seq_len, block_size, num_kv_heads)
+                    p = md.scratch["cpu_decode_plan"] = cpu_decode.plan(md.block_tables, md.seq_lens, md.kv_rows,
+                                                                        block_size)
             if isinstance(p, cpu_decode.DecodePlan):
                 return cpu_decode.paged_decode_write(q, key, value, key_cache, value_cache, p, scale)
         return super().attend(q, key, value, key_cache, value_cache, md, scale)
@@ -86,8 +86,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         num_heads, head_dim = q.shape[1], q.shape[2]
         block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
         if self.compiled and cpu_decode.supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype):
-            return cpu_decode.paged_decode(q, key_cache, value_cache, block_tables.contiguous(), seq_lens,
-                                           max_seq_len, scale)
+            return cpu_decode.paged_decode(q, key_cache, value_cache, block_tables.contiguous(), seq_lens, scale)
         if md is None:
             md = _decode_metadata(block_tables, seq_lens, max_seq_len)
         return super()._decode(q, key_cache, value_cache, md, scale)

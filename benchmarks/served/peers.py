@@ -385,7 +385,13 @@ def run_system(server: Server, w: Workload, args: argparse.Namespace, vllm_pytho
         ]
         if server.name == "prefixserve":
             steps.append(("shared_named", lambda: (register(server, name, w.system), run_shared(server, w, name))[1]))
-        steps.append(("loadgen", lambda: run_loadgen(server, w, vllm_python, checkpoint, args.loadgen_prompts)))
+        if server.name == "llama.cpp":
+            # vllm bench serve always sends vLLM's `ignore_eos` and `repetition_penalty`, which
+            # llama-cpp-python's server refuses (400 on every request, measured): no figure for it
+            figures.setdefault("failed", {})["loadgen"] = ("vllm bench serve sends ignore_eos and repetition_penalty, "
+                                                           "which llama-cpp-python's server refuses (400)")
+        else:
+            steps.append(("loadgen", lambda: run_loadgen(server, w, vllm_python, checkpoint, args.loadgen_prompts)))
         for step, fn in steps:
             if step not in args.workloads:
                 continue

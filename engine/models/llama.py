@@ -221,6 +221,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.fast = False                           # the quantized CPU path (enable_fast_path)
+
+    def enable_fast_path(self) -> bool:
+        """The quantized CPU path: every projection takes and gives bfloat16 (forward_bf16) and a layer's
+        elementwise work runs fused in C++ (kernels/cpu/fused.cpp); True if it could be turned on."""
+        from kernels.cpu.build import available
+        layers: list[Any] = list(self.layers)
+        projections = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.fast = (all(hasattr(m, "forward_bf16") for m in projections) and self.embed_tokens.weight.dtype ==
+                     torch.float32 and self.embed_tokens.weight.device.type == "cpu" and available("fused"))
+        return self.fast
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, key_caches: torch.Tensor,
                 value_caches: torch.Tensor, md: AttentionMetadata, backend: AttentionOps) -> torch.Tensor:
@@ -228,9 +240,43 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         wide = not md.is_decode_only                     # a prefill chunk: quantized layers take their GEMM
+        if self.fast:
+            return self._forward_fast(x, cos, sin, key_caches, value_caches, md, backend, wide)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, partial(backend_attend, backend, md, key_caches[i], value_caches[i], self.scale),
                       wide)
+        return self.norm(x)
+
+    def _forward_fast(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_caches: torch.Tensor,
+                      value_caches: torch.Tensor, md: AttentionMetadata, backend: AttentionOps,
+                      wide: bool) -> torch.Tensor:
+        """The same model with bfloat16 between the quantized matmuls and the elementwise work fused (one C++
+        pass a row per step of the layer): x, the residual stream, stays float32 and is updated in place.
+
+            h = rms_norm(x)                               bf16, the matmul input
+            q, k, v = qkv_rope(qkv_proj(h))               float32, rotated
+            x += o_proj(attend(q, k, v)); h = rms_norm(x) one pass
+            x += down(silu_mul(gate_up(h))); h = next layer's rms_norm(x)
+        """
+        from kernels.cpu import fused
+
+        args = self.args
+        t = x.shape[0]
+        layers: list[Any] = list(self.layers)            # their projections are quantized modules by now
+        h = fused.rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = attn.qkv_proj.forward_bf16(h, wide)
+            q, k, v = fused.qkv_rope(qkv, cos, sin, args.num_heads, args.num_kv_heads, args.head_dim)
+            o = backend.attend(q, k, v, key_caches[i], value_caches[i], md, self.scale)       # [T, H, D] f32
+            a = attn.o_proj.forward_bf16(o.reshape(t, attn.q_size).to(torch.bfloat16), wide)
+            h = fused.add_rms_norm(x, a, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            d = mlp.down_proj.forward_bf16(fused.silu_mul(mlp.gate_up_proj.forward_bf16(h, wide)), wide)
+            if i + 1 < len(layers):
+                nxt = layers[i + 1].input_layernorm
+                h = fused.add_rms_norm(x, d, nxt.weight, nxt.eps)
+            else:
+                x += d.float()
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

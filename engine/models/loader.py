@@ -146,6 +146,7 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32", quantiza
     if quantization != "none":
         exact = q4_weights(Path(model).expanduser()) if is_gguf(model) and quantization == "int4" else None
         quantize_model(net, quantization, exact)
+        net.enable_fast_path()
     net.rotary.inv_freq = rope_inv_freq(args).to(device)  # float32 whatever the weights' dtype
     net.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))

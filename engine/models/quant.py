@@ -57,6 +57,12 @@ def pack_dense(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, 64) if _PACKED else w
 
 
+def _mm_bf16(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    b = None if bias is None else bias.to(_ACT)
+    return torch.ops.mkldnn._linear_pointwise(x, dense, b, "none", [], "") if _PACKED else \
+        torch.nn.functional.linear(x, dense, b)
+
+
 def dense_linear(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The bfloat16 GEMM path: x [T, in] (any float dtype) @ W^T (+ b), W as `pack_dense` made it -> x's dtype."""
     xb = x.to(_ACT)
@@ -93,6 +99,13 @@ class Int4Linear(nn.Module):
 
     takes_wide = True
 
+    def forward_bf16(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+        """The fast path's form: x [T, in] bfloat16 -> [T, out] bfloat16, bias included (in bfloat16)."""
+        if wide or x.shape[0] >= DENSE_FROM_ROWS:
+            return _mm_bf16(x, self.dense, self.bias)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)
+        return y if self.bias is None else y.add_(self.bias.to(_ACT))
+
     def forward(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
         if wide or x.shape[0] >= DENSE_FROM_ROWS:
             return dense_linear(x, self.dense, self.bias)
@@ -128,6 +141,13 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     takes_wide = True
+
+    def forward_bf16(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+        """The fast path's form: x [T, in] bfloat16 -> [T, out] bfloat16, bias included (in bfloat16)."""
+        if wide or x.shape[0] >= DENSE_FROM_ROWS:
+            return _mm_bf16(x, self.dense, self.bias)
+        y = torch.ops.aten._weight_int8pack_mm(x, self.weight_q, self.scale)
+        return y if self.bias is None else y.add_(self.bias.to(_ACT))
 
     def forward(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
         if wide or x.shape[0] >= DENSE_FROM_ROWS:

@@ -4,7 +4,8 @@ loaded with ctypes.
 A kernel is one C++ file next to this module exporting `extern "C"` functions over raw pointers, so it
 needs no torch headers (it builds in about a second) and no Python bindings. The build is keyed by the
 source, the compiler and the flags: `-O3 -march=native` targets the CPU it runs on (AVX-512 where there
-is one; the sources keep a portable path for CPUs without), `-fopenmp` shares torch's OpenMP runtime
+is one; the sources keep a portable path for CPUs without), `-fno-math-errno` lets loops of expf use the
+vector math library, `-fopenmp` shares torch's OpenMP runtime
 (the same libgomp is already loaded, so the kernels' threads are torch's threads: `torch.set_num_threads`
 applies to them). The library lands in $XDG_CACHE_HOME/prefixserve/kernels (else ~/.cache/...), written to a
 temporary name and renamed, so concurrent builds never see a half-written file.
@@ -22,7 +23,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
 _SOURCES = Path(__file__).resolve().parent
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}

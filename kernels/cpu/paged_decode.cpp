@@ -1,18 +1,21 @@
 // Paged decode attention on the CPU: one query token per sequence, K and V read in place through the
-// block table (no gather, no padding), GQA-aware, split-KV for long contexts. Launcher and layout:
+// block table (no gather, no padding), GQA-aware, split-KV and cascade. Launcher, layout and the work plan:
 // kernels/cpu/paged_decode.py.
 //
-// Work items are (sequence, KV head, split). An item owns the GROUP query heads that share its KV head,
-// so every K and V row it reads serves the whole group. Per block of the table it computes the group's
-// scores for the block's tokens, rescales its running max / sum / accumulator once (online softmax, fp32)
-// and adds the block's V rows. A long context is cut into splits of whole blocks when there are too few
-// (sequence, KV head) items to keep every thread busy; each split writes (max, sum, unnormalized
-// accumulator) and a second pass merges them; an empty split (max = -inf) weighs nothing.
+// The launcher hands a plan of work items: (members, blocks [b0, b1)). An item reads blocks b0..b1 of its
+// first member's table once and attends every member's queries over them: one member is a split of one
+// sequence's context; several are the sequences of a cascade group, whose tables start with the same
+// blocks (a shared prefix), so the prefix is read once for all of them instead of once each. Per block and
+// per KV head an item computes the scores of the queries sharing that KV head (GQA), rescales their running
+// max / sum / accumulator once (online softmax, fp32) and adds the block's V rows. Every item writes
+// partial results (max, sum, unnormalized accumulator) per (member, head); a second pass merges each
+// sequence's partials; an empty one (max = -inf) weighs nothing.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 #include <omp.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -21,7 +24,9 @@
 namespace {
 
 constexpr int MAX_GROUP = 16;
+constexpr int MAX_HEADS = 64;
 constexpr int MAX_BLOCK = 256;
+constexpr int MAX_MEMBERS = 16;
 
 inline float bf16_to_float(uint16_t x) {
     uint32_t u = static_cast<uint32_t>(x) << 16;
@@ -46,169 +51,340 @@ struct Args {
     int64_t kc_blk, kc_tok, kc_head, vc_blk, vc_tok, vc_head;
 };
 
-// One item: blocks [b0, b1) of sequence s, KV head h. Writes m[g], l[g], acc[g][:D] (acc unnormalized).
-template <typename KV, int NV>
-void run_item(const Args& a, int s, int h, int b0, int b1, float* m, float* l, float* acc_out) {
-    const int G = a.H / a.Hkv, D = a.D, B = a.B, L = a.lens[s];
-    const KV* kc = static_cast<const KV*>(a.kc);
-    const KV* vc = static_cast<const KV*>(a.vc);
-    alignas(64) float sc[MAX_GROUP][MAX_BLOCK];
-#if defined(__AVX512F__)
-    __m512 qv[MAX_GROUP][NV], acc[MAX_GROUP][NV];
-    for (int g = 0; g < G; ++g) {
-        const float* qp = a.q + (static_cast<int64_t>(s) * a.H + h * G + g) * D;
-        for (int v = 0; v < NV; ++v) {
-            qv[g][v] = _mm512_mul_ps(_mm512_loadu_ps(qp + 16 * v), _mm512_set1_ps(a.scale));
-            acc[g][v] = _mm512_setzero_ps();
-        }
+bool g_generic = false;       // tests: run the portable loops even where AVX-512 is there
+
+// An item's query rows for one KV head: row x is member x / G's head h * G + x % G. Its running state lives
+// in the item's partials: st = part + (member * H + head) * (D + 2) = {max, sum, accumulator[D]}.
+struct Rows {
+    const float* q[MAX_MEMBERS * MAX_GROUP];
+    float* st[MAX_MEMBERS * MAX_GROUP];
+    int n;
+};
+
+inline Rows rows_of(const float* qs, float* part, int nmem, int h, int H, int G, int D) {
+    Rows r;
+    r.n = nmem * G;
+    for (int x = 0; x < r.n; ++x) {
+        const int head = h * G + x % G, i = x / G;
+        r.q[x] = qs + (static_cast<int64_t>(i) * H + head) * D;
+        r.st[x] = part + (static_cast<int64_t>(i) * H + head) * (D + 2);
     }
-#else
-    alignas(64) float qv[MAX_GROUP][16 * NV], acc[MAX_GROUP][16 * NV];
-    for (int g = 0; g < G; ++g) {
-        const float* qp = a.q + (static_cast<int64_t>(s) * a.H + h * G + g) * D;
-        for (int d = 0; d < D; ++d) { qv[g][d] = qp[d] * a.scale; acc[g][d] = 0.f; }
-    }
-#endif
-    for (int g = 0; g < G; ++g) { m[g] = -INFINITY; l[g] = 0.f; }
-    for (int b = b0; b < b1; ++b) {
-        const int n = std::min(B, L - b * B);
-        const int64_t blk = a.bt[static_cast<int64_t>(s) * a.bt_stride + b];
-        const KV* kb = kc + blk * a.kc_blk + h * a.kc_head;
-        const KV* vb = vc + blk * a.vc_blk + h * a.vc_head;
-        float bm[MAX_GROUP];
-        for (int g = 0; g < G; ++g) bm[g] = m[g];
-        for (int j = 0; j < n; ++j) {                       // scores of the block's tokens
-            const KV* kr = kb + j * a.kc_tok;
-#if defined(__AVX512F__)
-            __m512 kv[NV];
-            for (int v = 0; v < NV; ++v) kv[v] = load16(kr + 16 * v);
-            for (int g = 0; g < G; ++g) {
-                __m512 d = _mm512_mul_ps(qv[g][0], kv[0]);
-                for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[g][v], kv[v], d);
-                const float x = _mm512_reduce_add_ps(d);
-                sc[g][j] = x;
-                bm[g] = std::max(bm[g], x);
-            }
-#else
-            for (int g = 0; g < G; ++g) {
-                float x = 0.f;
-                #pragma omp simd reduction(+ : x)
-                for (int d = 0; d < D; ++d) x += qv[g][d] * to_float(kr[d]);
-                sc[g][j] = x;
-                bm[g] = std::max(bm[g], x);
-            }
-#endif
+    return r;
+}
+
+// The portable loops (any CPU): token by token, row by row.
+template <typename KV>
+void tile_generic(const Rows& r, const KV* const* krow, const KV* const* vrow, int n, int D, float* sc,
+                  int sc_stride) {
+    for (int x = 0; x < r.n; ++x) {
+        float* s = sc + static_cast<int64_t>(x) * sc_stride;
+        float* st = r.st[x];
+        float mx = st[0];
+        for (int j = 0; j < n; ++j) {
+            float dot = 0.f;
+            for (int d = 0; d < D; ++d) dot += r.q[x][d] * to_float(krow[j][d]);
+            s[j] = dot;
+            mx = std::max(mx, dot);
         }
-        for (int g = 0; g < G; ++g) {                       // rescale once per block
-            const float alpha = std::exp(m[g] - bm[g]);
-            l[g] *= alpha;
-#if defined(__AVX512F__)
-            const __m512 av = _mm512_set1_ps(alpha);
-            for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], av);
-#else
-            for (int d = 0; d < D; ++d) acc[g][d] *= alpha;
-#endif
-            m[g] = bm[g];
-            float sum = 0.f;
-            for (int j = 0; j < n; ++j) {
-                const float p = std::exp(sc[g][j] - bm[g]);
-                sc[g][j] = p;
-                sum += p;
-            }
-            l[g] += sum;
-        }
-        for (int j = 0; j < n; ++j) {                       // weighted V rows
-            const KV* vr = vb + j * a.vc_tok;
-#if defined(__AVX512F__)
-            __m512 vv[NV];
-            for (int v = 0; v < NV; ++v) vv[v] = load16(vr + 16 * v);
-            for (int g = 0; g < G; ++g) {
-                const __m512 p = _mm512_set1_ps(sc[g][j]);
-                for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_fmadd_ps(p, vv[v], acc[g][v]);
-            }
-#else
-            for (int g = 0; g < G; ++g) {
-                const float p = sc[g][j];
-                #pragma omp simd
-                for (int d = 0; d < D; ++d) acc[g][d] += p * to_float(vr[d]);
-            }
-#endif
-        }
-    }
-    for (int g = 0; g < G; ++g) {
-#if defined(__AVX512F__)
-        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc_out + g * D + 16 * v, acc[g][v]);
-#else
-        for (int d = 0; d < D; ++d) acc_out[g * D + d] = acc[g][d];
-#endif
+        const float alpha = std::exp(st[0] - mx);
+        float sum = 0.f;
+        for (int j = 0; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+        st[0] = mx;
+        st[1] = st[1] * alpha + sum;
+        float* acc = st + 2;
+        for (int d = 0; d < D; ++d) acc[d] *= alpha;
+        for (int j = 0; j < n; ++j)
+            for (int d = 0; d < D; ++d) acc[d] += s[j] * to_float(vrow[j][d]);
     }
 }
 
+#if defined(__AVX512F__)
+// exp for x <= 0 (a score minus its running max), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+// polynomial for e^r (~1 ulp), times 2^n. Below -87 the result is 0 (as expf underflows).
+inline __m512 exp512(__m512 x) {
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), p, n);
+}
+
+inline void transpose16(__m512* r) {      // 16 x 16 32-bit words, in place
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+    }
+}
+
+// K rows k[0..m) (m <= 16, one pointer a token), transposed to float32: kt[d * 16 + j] = k[j][d], zero past m.
+// bfloat16: a 32-bit word holds the pair (d, d + 1), so one word transpose serves 32 dimensions, split after.
+inline void transpose_k(const uint16_t* const* k, int m, int D, float* kt) {
+    for (int d0 = 0; d0 < D; d0 += 32) {
+        const int w = std::min(32, D - d0) / 2;                  // words of this slice (16, or 8 at D % 32 == 16)
+        const __mmask16 lanes = static_cast<__mmask16>((1u << w) - 1);
+        __m512 r[16];
+        for (int j = 0; j < 16; ++j)
+            r[j] = j < m ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(lanes, k[j] + d0)) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int x = 0; x < w; ++x) {
+            const __m512i u = _mm512_castps_si512(r[x]);
+            _mm512_store_ps(kt + (d0 + 2 * x) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+            _mm512_store_ps(kt + (d0 + 2 * x + 1) * 16,
+                            _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))));
+        }
+    }
+}
+inline void transpose_k(const float* const* k, int m, int D, float* kt) {
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512 r[16];
+        for (int j = 0; j < 16; ++j) r[j] = j < m ? _mm512_loadu_ps(k[j] + d0) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int x = 0; x < 16; ++x) _mm512_store_ps(kt + (d0 + x) * 16, r[x]);
+    }
+}
+
+// Scores of T rows for C chunks of 16 tokens: s[t][c] = sum_d q_t[d] kt_c[d]; each K column is loaded once
+// for the rows, each query element broadcast once for the chunks; T * C independent sums hide the FMA latency.
+template <int T, int C>
+inline void scores_tile(const float* const* q, const float* kt, int D, float* sc, int sc_stride) {
+    __m512 s[T][C];
+    for (int t = 0; t < T; ++t)
+        for (int c = 0; c < C; ++c) s[t][c] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+        __m512 k[C];
+        for (int c = 0; c < C; ++c) k[c] = _mm512_load_ps(kt + (c * D + d) * 16);
+        for (int t = 0; t < T; ++t) {
+            const __m512 qv = _mm512_set1_ps(q[t][d]);
+            for (int c = 0; c < C; ++c) s[t][c] = _mm512_fmadd_ps(qv, k[c], s[t][c]);
+        }
+    }
+    for (int t = 0; t < T; ++t)
+        for (int c = 0; c < C; ++c) _mm512_store_ps(sc + t * sc_stride + c * 16, s[t][c]);
+}
+
+template <int T>
+inline void scores_rows(const float* const* q, const float* kt, int D, int chunks, float* sc, int sc_stride) {
+    int c = 0;
+    for (; c + 2 <= chunks; c += 2) scores_tile<T, 2>(q, kt + c * D * 16, D, sc + c * 16, sc_stride);
+    if (c < chunks) scores_tile<T, 1>(q, kt + c * D * 16, D, sc + c * 16, sc_stride);
+}
+
+// acc_x = alpha_x acc_x + sum_j p_x[j] V[j] for T rows, the accumulators in registers over the block's tokens.
+template <typename KV, int NV, int T>
+inline void values_tile(float* const* st, const float* alpha, const float* p, int p_stride, const KV* const* vrow,
+                        int n) {
+    __m512 acc[T][NV];
+    for (int t = 0; t < T; ++t) {
+        const __m512 a = _mm512_set1_ps(alpha[t]);
+        for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_mul_ps(a, _mm512_loadu_ps(st[t] + 2 + 16 * v));
+    }
+    for (int j = 0; j < n; ++j) {
+        __m512 vr[NV];
+        for (int v = 0; v < NV; ++v) vr[v] = load16(vrow[j] + 16 * v);
+        for (int t = 0; t < T; ++t) {
+            const __m512 w = _mm512_set1_ps(p[t * p_stride + j]);
+            for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_fmadd_ps(w, vr[v], acc[t][v]);
+        }
+    }
+    for (int t = 0; t < T; ++t)
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st[t] + 2 + 16 * v, acc[t][v]);
+}
+
+// rows at a time whose accumulators stay in registers (T * NV <= 24 of the 32)
+template <int NV>
+constexpr int v_rows() { return NV <= 3 ? 8 / (NV == 3 ? 2 : 1) : 24 / NV; }
+
 template <typename KV, int NV>
-void decode(const Args& a, int splits) {
-    const int G = a.H / a.Hkv, D = a.D;
-    const int items = a.S * a.Hkv * splits;
-    const int64_t part_stride = static_cast<int64_t>(G) * (D + 2);
-    float* part = splits > 1 ? static_cast<float*>(std::malloc(sizeof(float) * items * part_stride)) : nullptr;
+inline void values_rows(float* const* st, const float* alpha, const float* p, int p_stride, const KV* const* vrow,
+                        int n, int rows) {
+    constexpr int T = v_rows<NV>();
+    int x = 0;
+    for (; x + T <= rows; x += T) values_tile<KV, NV, T>(st + x, alpha + x, p + x * p_stride, p_stride, vrow, n);
+    switch (rows - x) {      // the rest in one tile too (the V rows are converted once a tile)
+        case 0: break;
+#define PREFIXSERVE_REST(R) case R: if constexpr (R < T) values_tile<KV, NV, R>(st + x, alpha + x, p + x * p_stride, \
+                                                                               p_stride, vrow, n); break;
+        PREFIXSERVE_REST(1) PREFIXSERVE_REST(2) PREFIXSERVE_REST(3) PREFIXSERVE_REST(4) PREFIXSERVE_REST(5)
+        PREFIXSERVE_REST(6) PREFIXSERVE_REST(7)
+#undef PREFIXSERVE_REST
+        default: break;
+    }
+}
+
+// A tile of up to TILE tokens of one KV head, for every row: K transposed once, scores a few rows at a time,
+// one online-softmax update per row for the whole tile, then the V rows into register accumulators.
+template <typename KV, int NV>
+void tile_avx512(const Rows& r, const KV* const* krow, const KV* const* vrow, int n, float* kt, float* sc,
+                 int sc_stride) {
+    constexpr int D = 16 * NV;
+    const int chunks = (n + 15) / 16;
+    for (int c = 0; c < chunks; ++c) transpose_k(krow + 16 * c, std::min(16, n - 16 * c), D, kt + c * D * 16);
+    float alpha[MAX_MEMBERS * MAX_GROUP];
+    int x = 0;
+    for (; x + 4 <= r.n; x += 4) scores_rows<4>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride);
+    switch (r.n - x) {
+        case 3: scores_rows<3>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride); break;
+        case 2: scores_rows<2>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride); break;
+        case 1: scores_rows<1>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride); break;
+        default: break;
+    }
+    for (int x = 0; x < r.n; ++x) {
+        float* s = sc + x * sc_stride;
+        float* st = r.st[x];
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int c = 0; c < chunks; ++c) {
+            const __mmask16 valid = static_cast<__mmask16>(n - 16 * c >= 16 ? 0xffff : (1u << (n - 16 * c)) - 1);
+            m = _mm512_mask_max_ps(m, valid, m, _mm512_load_ps(s + c * 16));
+        }
+        const float mx = std::max(st[0], _mm512_reduce_max_ps(m));
+        alpha[x] = std::exp(st[0] - mx);
+        __m512 sum = _mm512_setzero_ps();
+        const __m512 mv = _mm512_set1_ps(mx);
+        for (int c = 0; c < chunks; ++c) {
+            const __mmask16 valid = static_cast<__mmask16>(n - 16 * c >= 16 ? 0xffff : (1u << (n - 16 * c)) - 1);
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_load_ps(s + c * 16), mv)));
+            _mm512_store_ps(s + c * 16, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        st[0] = mx;
+        st[1] = st[1] * alpha[x] + _mm512_reduce_add_ps(sum);
+    }
+    values_rows<KV, NV>(r.st, alpha, sc, sc_stride, vrow, n, r.n);
+}
+#endif
+
+constexpr int TILE = 64;
+
+// One item: blocks [b0, b1) of members[0]'s table, attended by every member's queries. Writes, per member i
+// and head, part[(i * H + head) * (D + 2) + {0, 1, 2..}] = max, sum, unnormalized accumulator. Tile by
+// tile (TILE tokens, whatever the block size), KV head after KV head: a tile's K and V rows are read once
+// into cache and used there by every member and every query head of the group.
+template <typename KV, int NV>
+void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, float* part) {
+    const int H = a.H, G = a.H / a.Hkv, D = a.D, B = a.B, PS = a.D + 2;
+    const int s0 = members[0], L = a.lens[s0];
+    thread_local std::vector<float> qbuf, sbuf, kbuf;        // the scaled queries; scores; a transposed K tile
+    qbuf.resize(static_cast<size_t>(nmem) * H * D);
+    sbuf.resize(static_cast<size_t>(nmem) * G * TILE + 16);
+    kbuf.resize(static_cast<size_t>(TILE) * D + 16);
+    float* qs = qbuf.data();
+    float* sc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf.data()) + 63) & ~uintptr_t{63});
+    float* kt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(kbuf.data()) + 63) & ~uintptr_t{63});
+    for (int i = 0; i < nmem; ++i) {
+        const float* qp = a.q + static_cast<int64_t>(members[i]) * H * D;
+        for (int x = 0; x < H * D; ++x) qs[i * H * D + x] = qp[x] * a.scale;
+    }
+    for (int i = 0; i < nmem * H; ++i) {
+        part[i * PS] = -INFINITY;
+        part[i * PS + 1] = 0.f;
+        for (int d = 0; d < D; ++d) part[i * PS + 2 + d] = 0.f;
+    }
+    const KV* kc = static_cast<const KV*>(a.kc);
+    const KV* vc = static_cast<const KV*>(a.vc);
+    const int32_t* table = a.bt + static_cast<int64_t>(s0) * a.bt_stride;
+    const int end = std::min(b1 * B, L);                      // shared blocks are full for every member
+    int64_t kbase[TILE], vbase[TILE];
+    const KV* krow[TILE];
+    const KV* vrow[TILE];
+    for (int t0 = b0 * B; t0 < end; t0 += TILE) {
+        const int n = std::min(TILE, end - t0);
+        for (int j = 0; j < n; ++j) {
+            const int64_t blk = table[(t0 + j) / B], off = (t0 + j) % B;
+            kbase[j] = blk * a.kc_blk + off * a.kc_tok;
+            vbase[j] = blk * a.vc_blk + off * a.vc_tok;
+        }
+        for (int h = 0; h < a.Hkv; ++h) {
+            const Rows r = rows_of(qs, part, nmem, h, H, G, D);
+            for (int j = 0; j < n; ++j) {
+                krow[j] = kc + kbase[j] + h * a.kc_head;
+                vrow[j] = vc + vbase[j] + h * a.vc_head;
+            }
+#if defined(__AVX512F__)
+            if (!g_generic) {
+                tile_avx512<KV, NV>(r, krow, vrow, n, kt, sc, TILE);
+                continue;
+            }
+#endif
+            tile_generic<KV>(r, krow, vrow, n, D, sc, TILE);
+        }
+    }
+}
+
+// items: [n_items, 4] int32 = (first member in `members`, member count, b0, b1).
+template <typename KV, int NV>
+void decode(const Args& a, const int32_t* items, int n_items, const int32_t* members) {
+    const int H = a.H, D = a.D, PS = a.D + 2;
+    std::vector<int64_t> offset(n_items + 1, 0);            // each item's partials
+    for (int it = 0; it < n_items; ++it) offset[it + 1] = offset[it] + static_cast<int64_t>(items[4 * it + 1]) * H * PS;
+    std::vector<float> part(offset[n_items]);
     #pragma omp parallel for schedule(dynamic, 1)
-    for (int it = 0; it < items; ++it) {
-        const int s = it / (a.Hkv * splits), h = (it / splits) % a.Hkv, sp = it % splits;
-        const int nblk = (a.lens[s] + a.B - 1) / a.B;
-        const int per = (nblk + splits - 1) / splits;
-        const int b0 = std::min(nblk, sp * per), b1 = std::min(nblk, b0 + per);
-        float m[MAX_GROUP], l[MAX_GROUP];
-        alignas(64) float acc[MAX_GROUP * 16 * NV];
-        run_item<KV, NV>(a, s, h, b0, b1, m, l, acc);
-        if (splits == 1) {
-            for (int g = 0; g < G; ++g) {
-                const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-                float* o = a.out + (static_cast<int64_t>(s) * a.H + h * G + g) * D;
-                for (int d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
-            }
-        } else {
-            float* p = part + it * part_stride;
-            for (int g = 0; g < G; ++g) {
-                p[g * (D + 2)] = m[g];
-                p[g * (D + 2) + 1] = l[g];
-                std::memcpy(p + g * (D + 2) + 2, acc + g * D, sizeof(float) * D);
-            }
-        }
+    for (int it = 0; it < n_items; ++it) {
+        const int32_t* item = items + 4 * it;
+        run_item<KV, NV>(a, members + item[0], item[1], item[2], item[3], part.data() + offset[it]);
     }
-    if (splits == 1) return;
+    std::vector<std::vector<int64_t>> of_seq(a.S);           // where each sequence's partials are
+    for (int it = 0; it < n_items; ++it)
+        for (int i = 0; i < items[4 * it + 1]; ++i)
+            of_seq[members[items[4 * it] + i]].push_back(offset[it] + static_cast<int64_t>(i) * H * PS);
     #pragma omp parallel for
-    for (int sh = 0; sh < a.S * a.Hkv; ++sh) {
-        const int s = sh / a.Hkv, h = sh % a.Hkv;
-        for (int g = 0; g < G; ++g) {
-            float mx = -INFINITY;
-            for (int sp = 0; sp < splits; ++sp) mx = std::max(mx, part[(static_cast<int64_t>(sh) * splits + sp) * part_stride + g * (D + 2)]);
-            float* o = a.out + (static_cast<int64_t>(s) * a.H + h * G + g) * D;
-            for (int d = 0; d < D; ++d) o[d] = 0.f;
-            float sum = 0.f;
-            for (int sp = 0; sp < splits; ++sp) {
-                const float* pg = part + (static_cast<int64_t>(sh) * splits + sp) * part_stride + g * (D + 2);
-                if (pg[0] == -INFINITY) continue;             // an empty split weighs nothing
-                const float w = std::exp(pg[0] - mx);
-                sum += pg[1] * w;
-                for (int d = 0; d < D; ++d) o[d] += pg[2 + d] * w;
-            }
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            for (int d = 0; d < D; ++d) o[d] *= inv;
+    for (int sr = 0; sr < a.S * H; ++sr) {
+        const int s = sr / H, r = sr % H;
+        float mx = -INFINITY;
+        for (int64_t o : of_seq[s]) mx = std::max(mx, part[o + r * PS]);
+        float* out = a.out + (static_cast<int64_t>(s) * H + r) * D;
+        for (int d = 0; d < D; ++d) out[d] = 0.f;
+        float sum = 0.f;
+        for (int64_t o : of_seq[s]) {
+            const float* pr = part.data() + o + r * PS;
+            if (pr[0] == -INFINITY) continue;                // an empty partial weighs nothing
+            const float w = std::exp(pr[0] - mx);
+            sum += pr[1] * w;
+            for (int d = 0; d < D; ++d) out[d] += pr[2 + d] * w;
         }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int d = 0; d < D; ++d) out[d] *= inv;
     }
-    std::free(part);
 }
 
 template <typename KV>
-int dispatch(const Args& a, int splits) {
+int dispatch(const Args& a, const int32_t* items, int n_items, const int32_t* members) {
     switch (a.D / 16) {
-        case 1: decode<KV, 1>(a, splits); return 0;
-        case 2: decode<KV, 2>(a, splits); return 0;
-        case 3: decode<KV, 3>(a, splits); return 0;
-        case 4: decode<KV, 4>(a, splits); return 0;
-        case 5: decode<KV, 5>(a, splits); return 0;
-        case 6: decode<KV, 6>(a, splits); return 0;
-        case 8: decode<KV, 8>(a, splits); return 0;
-        case 16: decode<KV, 16>(a, splits); return 0;
+        case 1: decode<KV, 1>(a, items, n_items, members); return 0;
+        case 2: decode<KV, 2>(a, items, n_items, members); return 0;
+        case 3: decode<KV, 3>(a, items, n_items, members); return 0;
+        case 4: decode<KV, 4>(a, items, n_items, members); return 0;
+        case 5: decode<KV, 5>(a, items, n_items, members); return 0;
+        case 6: decode<KV, 6>(a, items, n_items, members); return 0;
+        case 8: decode<KV, 8>(a, items, n_items, members); return 0;
+        case 16: decode<KV, 16>(a, items, n_items, members); return 0;
         default: return -2;
     }
 }
@@ -224,9 +400,8 @@ inline uint16_t float_to_bf16(float f) {     // round to nearest even, as torch'
 // The step's new K and V rows into the cache: token i's [Hkv, D] at cache row rows[i] (block * B + offset).
 template <typename KV>
 void write_rows(const float* k, const float* v, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head,
-                const int64_t* rows, int n,
-                KV* kc, KV* vc, int Hkv, int D, int B, int64_t kc_blk, int64_t kc_tok, int64_t kc_head,
-                int64_t vc_blk, int64_t vc_tok, int64_t vc_head) {
+                const int64_t* rows, int n, KV* kc, KV* vc, int Hkv, int D, int B, int64_t kc_blk, int64_t kc_tok,
+                int64_t kc_head, int64_t vc_blk, int64_t vc_tok, int64_t vc_head) {
     #pragma omp parallel for collapse(2) if (n * Hkv >= 8)
     for (int i = 0; i < n; ++i) {
         for (int h = 0; h < Hkv; ++h) {
@@ -247,38 +422,42 @@ void write_rows(const float* k, const float* v, int64_t k_tok, int64_t k_head, i
 
 extern "C" {
 
-// kv_dtype: 0 float32, 1 bfloat16. Returns 0, or < 0 for shapes this kernel does not take.
-int prefixserve_paged_decode(const float* q, const void* kc, const void* vc, const int32_t* bt, int64_t bt_stride,
-                             const int32_t* lens, float* out, int S, int H, int Hkv, int D, int B, float scale,
-                             int64_t kc_blk, int64_t kc_tok, int64_t kc_head, int64_t vc_blk, int64_t vc_tok,
-                             int64_t vc_head, int kv_dtype, int splits) {
+// kv_dtype: 0 float32, 1 bfloat16. k, v (float32 [S, Hkv, D], strides given) are first written into the
+// cache at rows[s] unless k is null. Returns 0, or < 0 for shapes this kernel does not take.
+int prefixserve_paged_decode(const float* q, const float* k, const float* v, int64_t k_tok, int64_t k_head,
+                             int64_t v_tok, int64_t v_head, const int64_t* rows, void* kc, void* vc, const int32_t* bt,
+                             int64_t bt_stride, const int32_t* lens, float* out, int S, int H, int Hkv, int D, int B,
+                             float scale, int64_t kc_blk, int64_t kc_tok, int64_t kc_head, int64_t vc_blk,
+                             int64_t vc_tok, int64_t vc_head, int kv_dtype, const int32_t* items, int n_items,
+                             const int32_t* members) {
     if (S <= 0) return 0;
-    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || B <= 0 || B > MAX_BLOCK || D % 16 != 0 || splits < 1) return -1;
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || H > MAX_HEADS || B <= 0 || B > MAX_BLOCK || D % 16 != 0)
+        return -1;
+    for (int it = 0; it < n_items; ++it)
+        if (items[4 * it + 1] < 1 || items[4 * it + 1] > MAX_MEMBERS) return -3;
+    if (k != nullptr) {
+        if (kv_dtype == 1)
+            write_rows<uint16_t>(k, v, k_tok, k_head, v_tok, v_head, rows, S, static_cast<uint16_t*>(kc),
+                                 static_cast<uint16_t*>(vc), Hkv, D, B, kc_blk, kc_tok, kc_head, vc_blk, vc_tok, vc_head);
+        else
+            write_rows<float>(k, v, k_tok, k_head, v_tok, v_head, rows, S, static_cast<float*>(kc),
+                              static_cast<float*>(vc), Hkv, D, B, kc_blk, kc_tok, kc_head, vc_blk, vc_tok, vc_head);
+    }
     const Args a{q, kc, vc, bt, bt_stride, lens, out, S, H, Hkv, D, B, scale, kc_blk, kc_tok, kc_head,
                  vc_blk, vc_tok, vc_head};
-    return kv_dtype == 1 ? dispatch<uint16_t>(a, splits) : dispatch<float>(a, splits);
-}
-
-// The same, after writing this step's K and V (float32 [S, Hkv, D], D contiguous, strides given) into the
-// cache at rows[s]: one call per layer for a decode step.
-int prefixserve_paged_decode_write(const float* q, const float* k, const float* v, int64_t k_tok, int64_t k_head,
-                                   int64_t v_tok, int64_t v_head, const int64_t* rows, void* kc, void* vc, const int32_t* bt, int64_t bt_stride,
-                                   const int32_t* lens, float* out, int S, int H, int Hkv, int D, int B, float scale,
-                                   int64_t kc_blk, int64_t kc_tok, int64_t kc_head, int64_t vc_blk, int64_t vc_tok,
-                                   int64_t vc_head, int kv_dtype, int splits) {
-    if (S <= 0) return 0;
-    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || B <= 0 || B > MAX_BLOCK || D % 16 != 0 || splits < 1) return -1;
-    if (kv_dtype == 1)
-        write_rows<uint16_t>(k, v, k_tok, k_head, v_tok, v_head, rows, S, static_cast<uint16_t*>(kc), static_cast<uint16_t*>(vc),
-                             Hkv, D, B, kc_blk, kc_tok, kc_head, vc_blk, vc_tok, vc_head);
-    else
-        write_rows<float>(k, v, k_tok, k_head, v_tok, v_head, rows, S, static_cast<float*>(kc), static_cast<float*>(vc), Hkv, D,
-                          B, kc_blk, kc_tok, kc_head, vc_blk, vc_tok, vc_head);
-    const Args a{q, kc, vc, bt, bt_stride, lens, out, S, H, Hkv, D, B, scale, kc_blk, kc_tok, kc_head,
-                 vc_blk, vc_tok, vc_head};
-    return kv_dtype == 1 ? dispatch<uint16_t>(a, splits) : dispatch<float>(a, splits);
+    return kv_dtype == 1 ? dispatch<uint16_t>(a, items, n_items, members) : dispatch<float>(a, items, n_items, members);
 }
 
 int prefixserve_num_threads() { return omp_get_max_threads(); }
+
+// Tests: 1 runs the portable loops even where AVX-512 is there; returns whether AVX-512 loops exist.
+int prefixserve_paged_decode_generic(int on) {
+    g_generic = on != 0;
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 }  // extern "C"

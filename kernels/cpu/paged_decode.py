@@ -1,11 +1,17 @@
 """Paged decode attention on the CPU (kernels/cpu/paged_decode.cpp): one query token per sequence, K and V
 read in place through the block table, GQA-aware, split-KV when a few long sequences would leave threads
-idle. The launcher checks shapes, dtypes and strides and picks the split count; the C++ file has the
-algorithm.
+idle, and cascade: sequences whose tables start with the same blocks (a shared prefix, the workload this
+engine is for) read those blocks once per step for all of them. The launcher checks shapes, dtypes and
+strides and makes the work plan (`plan`); the C++ file has the algorithm.
 
     q [num_seqs, num_heads, head_dim] float32 -> out, the same shape
     key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim] float32 or bfloat16
     (any strides with head_dim contiguous: a layer's slice of the [layers, blocks, ...] cache)
+
+The plan is a list of items (members, blocks [b0, b1)): every sequence's blocks are covered exactly once
+for it, by its own items or by the shared items of its cascade group. Cascading changes only the order in
+which a sequence's partial softmax sums are merged: the result agrees with the plain plan within float32
+rounding (tested), not bit for bit.
 """
 from __future__ import annotations
 
@@ -14,12 +20,16 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kernels.cpu.build import load
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-MIN_BLOCKS_PER_SPLIT = 4
+MIN_BLOCKS_PER_SPLIT = 4     # a split of fewer blocks costs more to merge than it saves
+MIN_SHARED_BLOCKS = 2        # a shared run of fewer blocks is read by each sequence itself
+MAX_MEMBERS = 16             # sequences per cascade item (the kernel's bound); a larger group takes several
+ITEMS_PER_THREAD = 4         # enough items that dynamic scheduling evens out their lengths
 
 
 @functools.cache
@@ -27,18 +37,8 @@ def _fn() -> Any:
     lib = load("paged_decode")
     f = lib.prefixserve_paged_decode
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    f.argtypes = [p, p, p, p, i64, p, p, i, i, i, i, i, ctypes.c_float, i64, i64, i64, i64, i64, i64, i, i]
-    f.restype = ctypes.c_int
-    return f
-
-
-@functools.cache
-def _fn_write() -> Any:
-    lib = load("paged_decode")
-    f = lib.prefixserve_paged_decode_write
-    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    f.argtypes = [p, p, p, i64, i64, i64, i64, p, p, p, p, i64, p, p, i, i, i, i, i, ctypes.c_float, i64, i64, i64,
-                  i64, i64, i64, i, i]
+    f.argtypes = [p, p, p, i64, i64, i64, i64, p, p, p, p, i64, p, p, i, i, i, i, i, ctypes.c_float,
+                  i64, i64, i64, i64, i64, i64, i, p, i, p]
     f.restype = ctypes.c_int
     return f
 
@@ -49,61 +49,123 @@ class DecodePlan:
 
     block_tables: torch.Tensor      # [S, max_blocks] int32, rows contiguous
     seq_lens: torch.Tensor          # [S] int32
-    rows: torch.Tensor              # [S] int64: the cache row of each sequence's new token
-    max_blocks: int
-    splits: int
+    rows: torch.Tensor | None       # [S] int64: the cache row of each sequence's new token (None: no write)
+    items: np.ndarray               # [n_items, 4] int32: (first member in `members`, member count, b0, b1)
+    members: np.ndarray             # [*] int32: sequence indices
+    shared_blocks: int              # block reads the cascade saves per layer and KV head (for stats and tests)
 
 
-def plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, max_seq_len: int, block_size: int,
-         num_kv_heads: int) -> DecodePlan:
+def plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor | None, block_size: int,
+         threads: int | None = None, splits: int | None = None, cascade: bool = True) -> DecodePlan:
+    """The step's work items. `splits` forces each sequence's own blocks into that many items (tests);
+    `cascade=False` gives every sequence only its own items."""
     block_tables = block_tables.contiguous()
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
-    assert rows.dtype == torch.int64 and rows.is_contiguous() and rows.shape == seq_lens.shape
-    max_blocks = -(-max_seq_len // block_size)
-    assert block_tables.shape[1] >= max_blocks, "every sequence's blocks must be in its table row"
-    splits = pick_splits(seq_lens.shape[0], num_kv_heads, max_blocks, torch.get_num_threads())
-    return DecodePlan(block_tables, seq_lens, rows, max_blocks, splits)
+    assert rows is None or (rows.dtype == torch.int64 and rows.is_contiguous() and rows.shape == seq_lens.shape)
+    lens = seq_lens.numpy()
+    assert lens.size == 0 or lens.min() >= 1, "a decode row attends to at least its own token"
+    num_blocks = (lens + block_size - 1) // block_size
+    assert lens.size == 0 or block_tables.shape[1] >= num_blocks.max(), "every block must be in its table row"
+    tables = block_tables.numpy()
+    own_from = np.zeros(len(lens), dtype=np.int64)
+    shared: list[tuple[list[int], int, int]] = []
+    if cascade and len(lens) > 1:
+        full = (lens - 1) // block_size           # blocks full for the sequence and not holding its last token
+        _find_shared(tables, full, list(range(len(lens))), 0, own_from, shared)
+    segments = [(group[i:i + MAX_MEMBERS], b0, b1) for group, b0, b1 in shared
+                for i in range(0, len(group), MAX_MEMBERS)]
+    own = [([s], int(own_from[s]), int(num_blocks[s])) for s in range(len(lens))]
+    items: list[tuple[int, int, int, int]] = []
+    members: list[int] = []
+    if splits is not None:
+        pieces = [_cut(b0, b1, splits) for _, b0, b1 in own] + [_cut(b0, b1, 1) for _, b0, b1 in segments]
+    else:
+        total = sum(b1 - b0 for _, b0, b1 in segments + own)
+        target = ITEMS_PER_THREAD * (threads or torch.get_num_threads())
+        size = max(MIN_BLOCKS_PER_SPLIT, -(-total // target))
+        pieces = [_cut(b0, b1, max(1, (b1 - b0) // size)) for _, b0, b1 in own + segments]
+    for (group, _, _), cuts in zip(own + segments, pieces, strict=True):
+        first = len(members)
+        members.extend(group)
+        items.extend((first, len(group), a, b) for a, b in cuts)
+    saved = sum((len(g) - 1) * (b1 - b0) for g, b0, b1 in shared)
+    return DecodePlan(block_tables, seq_lens, rows, np.asarray(items, dtype=np.int32).reshape(-1, 4),
+                      np.asarray(members, dtype=np.int32), saved)
+
+
+def _find_shared(tables: np.ndarray, full: np.ndarray, group: list[int], start: int, own_from: np.ndarray,
+                 out: list[tuple[list[int], int, int]]) -> None:
+    """Sequences of `group` whose tables agree on blocks [start, P), P >= start + MIN_SHARED_BLOCKS and
+    within every member's full blocks, become a cascade segment; their own blocks start at P, and the
+    same is looked for again past P (a common system prompt, then a few-shot template some requests share)."""
+    by_block: dict[int, list[int]] = {}
+    for s in group:
+        if full[s] - start >= MIN_SHARED_BLOCKS:
+            by_block.setdefault(int(tables[s, start]), []).append(s)
+    for sub in by_block.values():
+        if len(sub) < 2:
+            continue
+        cap = int(full[sub].min())
+        block = tables[sub, start:cap]
+        same = (block == block[0]).all(axis=0)
+        end = start + (int(same.argmin()) if not same.all() else cap - start)
+        if end - start < MIN_SHARED_BLOCKS:
+            continue
+        out.append((sub, start, end))
+        own_from[sub] = end
+        _find_shared(tables, full, sub, end, own_from, out)
+
+
+def _cut(b0: int, b1: int, n: int) -> list[tuple[int, int]]:
+    """[b0, b1) in n near-equal parts (empty ones when n > b1 - b0: they weigh nothing in the merge)."""
+    edges = [b0 + (b1 - b0) * i // n for i in range(n + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def _call(q: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, key_cache: torch.Tensor,
+          value_cache: torch.Tensor, p: DecodePlan, scale: float, out: torch.Tensor) -> None:
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    kp = vp = 0
+    ks = (0, 0, 0, 0)
+    rows = 0
+    if key is not None and value is not None:
+        assert p.rows is not None
+        kp, vp, rows = key.data_ptr(), value.data_ptr(), p.rows.data_ptr()
+        ks = (key.stride(0), key.stride(1), value.stride(0), value.stride(1))
+    items, members = p.items, p.members
+    rc = _fn()(q.data_ptr(), kp or None, vp or None, *ks, rows or None, key_cache.data_ptr(), value_cache.data_ptr(),
+               p.block_tables.data_ptr(), p.block_tables.stride(0), p.seq_lens.data_ptr(), out.data_ptr(), num_seqs,
+               num_heads, num_kv_heads, head_dim, block_size, scale, key_cache.stride(0), key_cache.stride(1),
+               key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+               _DTYPES[key_cache.dtype], items.ctypes.data, len(items), members.ctypes.data)
+    if rc != 0:
+        raise ValueError(f"paged_decode: shapes not taken by the CPU kernel (code {rc})")
 
 
 def paged_decode_write(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                        value_cache: torch.Tensor, p: DecodePlan, scale: float) -> torch.Tensor:
     """Writes key / value [S, Hkv, D] (float32) at p.rows, then decodes q [S, H, D] -> out [S, H, D]: one
     call for a layer of a decode step (the hot path: its checks are the few a wrong call could not pass)."""
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_seqs, _, head_dim = q.shape
     assert q.dtype == key.dtype == value.dtype == torch.float32 and q.is_contiguous()
-    assert key.shape == value.shape == (num_seqs, num_kv_heads, head_dim)
+    assert key.shape == value.shape == (num_seqs, key_cache.shape[2], head_dim)
     assert key.stride(-1) == value.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == 1
     assert key_cache.dtype == value_cache.dtype and p.seq_lens.shape[0] == num_seqs
     out = torch.empty_like(q)
-    rc = _fn_write()(q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0),
-                     value.stride(1), p.rows.data_ptr(),
-                     key_cache.data_ptr(), value_cache.data_ptr(), p.block_tables.data_ptr(),
-                     p.block_tables.stride(0), p.seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
-                     num_kv_heads, head_dim, block_size, scale, key_cache.stride(0), key_cache.stride(1),
-                     key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-                     _DTYPES[key_cache.dtype], p.splits)
-    if rc != 0:
-        raise ValueError(f"paged_decode_write: shapes not taken by the CPU kernel (code {rc})")
+    _call(q, key, value, key_cache, value_cache, p, scale, out)
     return out
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
     return (dtype in _DTYPES and head_dim % 16 == 0 and head_dim // 16 in (1, 2, 3, 4, 5, 6, 8, 16)
-            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16 and block_size <= 256)
-
-
-def pick_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, threads: int) -> int:
-    """Enough (sequence, KV head, split) items for 4 per thread, never a split of < 4 blocks."""
-    splits = 1
-    while num_seqs * num_kv_heads * splits < 4 * threads and max_blocks // (2 * splits) >= MIN_BLOCKS_PER_SPLIT:
-        splits *= 2
-    return splits
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16 and num_heads <= 64
+            and block_size <= 256)
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
-                 num_splits: int | None = None) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                 num_splits: int | None = None, cascade: bool = True) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, kv_dim = key_cache.shape
     assert q.dtype == torch.float32 and q.is_contiguous() and q.device.type == "cpu"
@@ -118,13 +180,6 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     assert out.shape == q.shape and out.dtype == torch.float32 and out.is_contiguous()
     if num_seqs == 0:
         return out
-    max_blocks = -(-max_seq_len // block_size)
-    assert block_tables.shape[1] >= max_blocks, "every sequence's blocks must be in its table row"
-    splits = num_splits or pick_splits(num_seqs, num_kv_heads, max_blocks, torch.get_num_threads())
-    rc = _fn()(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-               block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
-               head_dim, block_size, scale, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-               value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), _DTYPES[key_cache.dtype], splits)
-    if rc != 0:
-        raise ValueError(f"paged_decode: shapes not taken by the CPU kernel (code {rc})")
+    _call(q, None, None, key_cache, value_cache,
+          plan(block_tables, seq_lens, None, block_size, splits=num_splits, cascade=cascade), scale, out)
     return out

@@ -1,14 +1,15 @@
 """The C++ CPU paged decode kernel against the token-by-token float64 reference: GQA groups, head dims,
-block sizes, float32 and bfloat16 caches, split counts; metamorphic block-size and split invariance;
-its threads are torch's."""
+block sizes, float32 and bfloat16 caches, split counts, cascade groups (shared leading blocks, nested,
+larger than one item); metamorphic block-size and split invariance; the plan covers every block of every
+sequence exactly once; its threads are torch's."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels.cpu.build import available, load
-from kernels.cpu.paged_decode import paged_decode, pick_splits
-from tests.kernels.batch import PagedBatch, make_batch, pairwise, rebuild
+from kernels.cpu.paged_decode import MAX_MEMBERS, MIN_BLOCKS_PER_SPLIT, paged_decode, plan
+from tests.kernels.batch import PagedBatch, make_batch, make_metadata, pairwise, rebuild
 from tests.kernels.reference import default_scale, ref_attention
 
 pytestmark = pytest.mark.skipif(not available("paged_decode"), reason="no C++ compiler to build the CPU kernels")
@@ -16,10 +17,10 @@ pytestmark = pytest.mark.skipif(not available("paged_decode"), reason="no C++ co
 MIXED = [1, 17, 1025]
 
 
-def run(b: PagedBatch, splits: int | None = None) -> torch.Tensor:
+def run(b: PagedBatch, splits: int | None = None, cascade: bool = True) -> torch.Tensor:
     out = torch.full(b.q.shape, float("nan"))           # poisoned: an element the kernel skips fails the check
     return paged_decode(b.q.float().contiguous(), b.key_cache, b.value_cache, b.md.block_tables, b.md.seq_lens,
-                        b.md.max_seq_len, default_scale(b.q.shape[2]), out=out, num_splits=splits)
+                        default_scale(b.q.shape[2]), out=out, num_splits=splits, cascade=cascade)
 
 
 def reference(b: PagedBatch) -> torch.Tensor:
@@ -68,13 +69,88 @@ def test_cpu_decode_reads_a_layer_slice_of_the_cache() -> None:
                    seed=3, device="cpu")
     kc = torch.stack([torch.randn_like(b.key_cache, dtype=torch.float32).bfloat16(), b.key_cache])
     vc = torch.stack([torch.randn_like(b.value_cache, dtype=torch.float32).bfloat16(), b.value_cache])
-    out = paged_decode(b.q.float().contiguous(), kc[1], vc[1], b.md.block_tables, b.md.seq_lens, b.md.max_seq_len,
-                       default_scale(64))
+    out = paged_decode(b.q.float().contiguous(), kc[1], vc[1], b.md.block_tables, b.md.seq_lens, default_scale(64))
     torch.testing.assert_close(out.double(), reference(b), atol=2e-5, rtol=2e-5)
 
 
-def test_splits_fill_the_threads_and_the_kernel_uses_torchs() -> None:
-    assert pick_splits(1, 3, 128, 2) == 4 and pick_splits(64, 3, 128, 2) == 1 and pick_splits(1, 3, 4, 2) == 1
+@pytest.mark.parametrize("dtype,head_dim,block_size", [(torch.bfloat16, 48, 8), (torch.float32, 64, 16)])
+def test_portable_loops_match_reference(dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+    """The loops a CPU without AVX-512 runs (the kernel's own switch: they are compiled everywhere)."""
+    b = shared_prefix_batch(11, block_size=block_size, dtype=dtype) if head_dim == 64 else make_batch(
+        MIXED, [1, 1, 1], num_heads=6, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype,
+        seed=4, device="cpu")
+    lib = load("paged_decode")
+    assert lib.prefixserve_paged_decode_generic(1) in (0, 1)
+    try:
+        out = run(b)
+    finally:
+        lib.prefixserve_paged_decode_generic(0)
+    torch.testing.assert_close(out.double(), reference(b), atol=2e-5, rtol=2e-5)
+
+
+def shared_prefix_batch(seed: int, block_size: int = 8, dtype: torch.dtype = torch.bfloat16) -> PagedBatch:
+    """22 sequences: 19 share their first 6 blocks (more than one item's members), 3 of those a further 3
+    (nested), one of them ends right past the shared run and one exactly at a block edge; 3 share nothing."""
+    lens = [6 * block_size + 1 + 7 * i for i in range(19)] + [40, 3, 200]
+    lens[5] = 9 * block_size                                   # its last block is shared by nobody else
+    b = make_batch(lens, [1] * len(lens), num_heads=6, num_kv_heads=2, head_dim=64, block_size=block_size,
+                   dtype=dtype, seed=seed, device="cpu")
+    tables = [list(t) for t in b.tables]
+    for s in range(1, 19):
+        tables[s][:6] = tables[0][:6]
+    for s in (11, 12):
+        tables[s][6:9] = tables[10][6:9]
+    return PagedBatch(b.q, b.key, b.value, b.key_cache, b.value_cache,
+                      make_metadata(lens, [1] * len(lens), tables, block_size, "cpu"), tables)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_matches_reference_and_the_plain_plan(dtype: torch.dtype) -> None:
+    b = shared_prefix_batch(5, dtype=dtype)
+    p = plan(b.md.block_tables, b.md.seq_lens, None, 8)
+    assert p.shared_blocks >= 18 * 6 + 2 * 3                  # the prefixes are read once, not once a sequence
+    assert p.items[:, 1].max() == MAX_MEMBERS                  # the group of 19 takes two items
+    cascaded, plain = run(b), run(b, cascade=False)
+    torch.testing.assert_close(cascaded.double(), reference(b), atol=2e-5, rtol=2e-5)
+    # Cascading changes only the merge order of each sequence's partial sums: float32 rounding apart.
+    torch.testing.assert_close(cascaded, plain, atol=1e-5, rtol=1e-5)
+
+
+def covered(p) -> dict[tuple[int, int], int]:
+    seen: dict[tuple[int, int], int] = {}
+    for first, count, b0, b1 in p.items.tolist():
+        for s in p.members[first:first + count].tolist():
+            for blk in range(b0, b1):
+                seen[(s, blk)] = seen.get((s, blk), 0) + 1
+    return seen
+
+
+@pytest.mark.parametrize("cascade,threads", [(True, 2), (False, 2), (True, 16), (False, 64)])
+def test_plan_covers_every_block_once(cascade: bool, threads: int) -> None:
+    b = shared_prefix_batch(1)
+    p = plan(b.md.block_tables, b.md.seq_lens, None, 8, threads=threads, cascade=cascade)
+    want = {(s, blk): 1 for s, n in enumerate(b.md.seq_lens_list) for blk in range(-(-n // 8))}
+    assert covered(p) == want
+    assert (p.shared_blocks > 0) == cascade
+    for first, count, b0, b1 in p.items.tolist():            # a shared item reads only blocks its members share
+        tables = b.md.block_tables[p.members[first:first + count].tolist(), b0:b1]
+        assert (tables == tables[0]).all()
+        assert count == 1 or b1 * 8 < min(b.md.seq_lens_list[s] for s in p.members[first:first + count].tolist())
+
+
+def test_plan_splits_a_long_sequence_for_the_threads() -> None:
+    lens = torch.tensor([1024], dtype=torch.int32)
+    tables = torch.arange(64, dtype=torch.int32)[None]
+    p = plan(tables, lens, None, 16, threads=2)
+    assert len(p.items) == 8 and (p.items[:, 3] - p.items[:, 2]).min() >= MIN_BLOCKS_PER_SPLIT
+    many = plan(tables.repeat(64, 1) + torch.arange(64, dtype=torch.int32)[:, None] * 64, lens.repeat(64), None, 16,
+                threads=2)
+    assert len(many.items) == 64                               # enough sequences: one item each
+    short = plan(tables[:, :2], torch.tensor([20], dtype=torch.int32), None, 16, threads=2)
+    assert short.items.tolist() == [[0, 1, 0, 2]]
+
+
+def test_the_kernel_uses_torchs_threads() -> None:
     lib = load("paged_decode")
     before = torch.get_num_threads()
     try:

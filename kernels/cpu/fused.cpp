@@ -1,0 +1,112 @@
+// Fused elementwise work of a Llama decoder layer on the CPU, for the quantized fast path: what torch runs
+// as 5-10 small operators (each a pass over memory and a dispatch) in one pass per row. Launchers and the
+// layout: kernels/cpu/fused.py.
+//
+//     rms_norm          y = bf16(w * x * rsqrt(mean(x^2) + eps))                      (the matmul input)
+//     add_rms_norm      x += bf16->f32(r); y = bf16(w * x * rsqrt(mean(x^2) + eps))   (residual, then norm)
+//     qkv_rope          q, k, v = split(f32(qkv)); q, k rotated (NeoX halves) by the step's cos / sin
+//     silu_mul          y = bf16(silu(gate) * up) of a [gate | up] projection
+//
+// Rows are independent (a row's result never depends on the others): what keeps a prompt's tokens equal
+// however they are batched or chunked. bfloat16 rounding is to nearest even, as torch's .to(bfloat16).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+
+namespace {
+
+inline float bf16_to_float(uint16_t x) {
+    uint32_t u = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;   // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+inline bool parallel(int64_t rows, int64_t width) { return rows * width >= 32768; }
+
+}  // namespace
+
+extern "C" {
+
+void prefixserve_rms_norm(const float* x, int64_t x_stride, const float* w, float eps, uint16_t* y, int64_t y_stride,
+                          int T, int H) {
+    #pragma omp parallel for if (parallel(T, H))
+    for (int t = 0; t < T; ++t) {
+        const float* xr = x + t * x_stride;
+        float ss = 0.f;
+        #pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < H; ++i) ss += xr[i] * xr[i];
+        const float r = 1.f / std::sqrt(ss / H + eps);
+        uint16_t* yr = y + t * y_stride;
+        for (int i = 0; i < H; ++i) yr[i] = float_to_bf16(w[i] * (xr[i] * r));
+    }
+}
+
+void prefixserve_add_rms_norm(float* x, int64_t x_stride, const uint16_t* r, int64_t r_stride, const float* w,
+                              float eps, uint16_t* y, int64_t y_stride, int T, int H) {
+    #pragma omp parallel for if (parallel(T, H))
+    for (int t = 0; t < T; ++t) {
+        float* xr = x + t * x_stride;
+        const uint16_t* rr = r + t * r_stride;
+        float ss = 0.f;
+        #pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < H; ++i) {
+            const float v = xr[i] + bf16_to_float(rr[i]);
+            xr[i] = v;
+            ss += v * v;
+        }
+        const float inv = 1.f / std::sqrt(ss / H + eps);
+        uint16_t* yr = y + t * y_stride;
+        for (int i = 0; i < H; ++i) yr[i] = float_to_bf16(w[i] * (xr[i] * inv));
+    }
+}
+
+// qkv: [T, (H + 2 Hkv) D] bf16 (bias already added, or none); cos, sin: [T, D] f32 (the halves repeated, as
+// the model's rotary gives them); q: [T, H, D], k, v: [T, Hkv, D] f32, contiguous.
+void prefixserve_qkv_rope(const uint16_t* qkv, int64_t qkv_stride, const float* cos, const float* sin, float* q,
+                          float* k, float* v, int T, int H, int Hkv, int D) {
+    const int half = D / 2;
+    #pragma omp parallel for if (parallel(T, (H + 2 * Hkv) * D))
+    for (int t = 0; t < T; ++t) {
+        const uint16_t* src = qkv + t * qkv_stride;
+        const float* c = cos + static_cast<int64_t>(t) * D;
+        const float* s = sin + static_cast<int64_t>(t) * D;
+        for (int h = 0; h < H + Hkv; ++h) {
+            const uint16_t* x = src + h * D;
+            float* dst = h < H ? q + (static_cast<int64_t>(t) * H + h) * D : k + (static_cast<int64_t>(t) * Hkv + h - H) * D;
+            for (int i = 0; i < half; ++i) {       // x * cos + rotate_half(x) * sin, rotate_half = (-x2, x1)
+                const float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
+                dst[i] = x1 * c[i] + (-x2) * s[i];
+                dst[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+        const uint16_t* vs = src + (H + Hkv) * D;
+        float* vd = v + static_cast<int64_t>(t) * Hkv * D;
+        for (int i = 0; i < Hkv * D; ++i) vd[i] = bf16_to_float(vs[i]);
+    }
+}
+
+void prefixserve_silu_mul(const uint16_t* gu, int64_t gu_stride, uint16_t* y, int64_t y_stride, int T, int I) {
+    #pragma omp parallel for if (parallel(T, I))
+    for (int t = 0; t < T; ++t) {
+        const uint16_t* g = gu + t * gu_stride;
+        const uint16_t* u = g + I;
+        uint16_t* yr = y + t * y_stride;
+        #pragma omp simd
+        for (int i = 0; i < I; ++i) {                      // vectorized expf (libmvec: -fno-math-errno)
+            const float a = bf16_to_float(g[i]);
+            yr[i] = float_to_bf16(a / (1.f + std::exp(-a)) * bf16_to_float(u[i]));
+        }
+    }
+}
+
+}  // extern "C"
