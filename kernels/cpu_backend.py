@@ -2,7 +2,9 @@
 
     decode rows (one query token)   the C++ paged decode kernel (kernels/cpu/paged_decode.cpp): K and V
                                     read in place through the block table, every sequence in one call
-    prefill chunks                  torch's flash attention for the CPU, the chunk's queries over the
+    prefill chunks, bf16 cache      the C++ paged prefill kernel (kernels/cpu/paged_prefill.cpp): every
+                                    chunk of the step in one call, in place, bf16 dot products
+    prefill chunks, float32 cache   torch's flash attention for the CPU, the chunk's queries over the
                                     sequence's whole context (GQA native, causal lower-right)
 
 A mixed step runs both on its rows. A prompt's last token computed alone (the rest hit the prefix cache)
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu import paged_decode as cpu_decode
+from kernels.cpu import paged_prefill as cpu_prefill
 from kernels.cpu.build import KernelUnavailable
 from kernels.metadata import AttentionMetadata
 from kernels.torch_backend import TorchAttentionBackend
@@ -68,10 +71,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
             rows = torch.tensor([starts[i] for i in decode], dtype=torch.long)
             out[rows] = self._decode_rows(q[rows].contiguous(), key_cache, value_cache, md.block_tables[index],
                                      md.seq_lens[index], max(md.seq_lens_list[i] for i in decode), None, scale)
+        prefill = [i for i in range(md.num_seqs) if md.is_prefill(i)]
+        if self.compiled and cpu_prefill.paged_prefill(q, key_cache, value_cache, md.block_tables, md.seq_lens,
+                                                       md.query_start_loc, prefill, scale, out) is not None:
+            return out.to(dtype)
         block_size = key_cache.shape[1]
-        for i, seq_len in enumerate(md.seq_lens_list):
-            if not md.is_prefill(i):
-                continue
+        for i in prefill:
+            seq_len = md.seq_lens_list[i]
             nb = -(-seq_len // block_size)
             blocks = md.block_tables[i, :nb].long()
             k = key_cache[blocks].flatten(0, 1)[:seq_len].float()          # [seq_len, Hkv, D]

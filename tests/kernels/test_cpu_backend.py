@@ -1,11 +1,12 @@
 """The CPU attention backend on mixed steps (decode rows, prefill chunks with and without a cached
 context) against the token-by-token float64 reference, float32 and bfloat16 caches, with the C++
-kernel and with its torch fallback."""
+kernels and with their torch fallback."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels.cpu import paged_prefill as pp
 from kernels.cpu_backend import CpuAttentionBackend, extend_attention
 from tests.kernels.batch import make_batch
 from tests.kernels.reference import default_scale, ref_attention
@@ -33,8 +34,14 @@ def test_cpu_backend_matches_reference(case: int, dtype: torch.dtype, compiled: 
     out = backend.forward(q, b.key_cache, b.value_cache, b.md, default_scale(64))
     expected = ref_attention(q, b.key_cache, b.value_cache, b.md.block_tables, b.md.seq_lens_list,
                              b.md.query_lens_list, default_scale(64))
-    # float32 products over the same cache values (bf16-rounded where the cache is bf16): float32 rounding only
-    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    # float32 products over the same cache values (bf16-rounded where the cache is bf16): float32 rounding
+    # only; except prefill rows over a bf16 cache with the C++ kernels (kernels/cpu/paged_prefill.py): bf16
+    # products, within 0.5% of the largest |V|
+    prefill = torch.tensor([b.md.is_prefill(i) for i, q_len in enumerate(query_lens) for _ in range(q_len)])
+    tight = ~prefill if dtype == torch.bfloat16 and compiled and pp.available() else torch.ones_like(prefill)
+    torch.testing.assert_close(out.double()[tight], expected[tight], atol=2e-5, rtol=2e-5)
+    vmax = b.value_cache.float().nan_to_num(0).abs().amax().item()
+    assert (out.double() - expected).abs().max().item() <= 0.005 * vmax
 
 
 def test_a_chunk_attends_as_if_its_prompt_were_computed_whole() -> None:
