@@ -1,11 +1,11 @@
 """Build and load the C++ CPU kernels: compiled once per machine with the system's C++ compiler, cached,
 loaded with ctypes.
 
-A kernel is one C++ file next to this module exporting `extern "C"` functions over raw pointers, so it
-needs no torch headers (it builds in about a second) and no Python bindings. The build is keyed by the
-source, the compiler and the flags: `-O3 -march=native` targets the CPU it runs on (AVX-512 where there
-is one; the sources keep a portable path for CPUs without), `-fno-math-errno` lets loops of expf use the
-vector math library, `-fopenmp` shares torch's OpenMP runtime
+A kernel is one C++ file next to this module (and the headers beside it) exporting `extern "C"` functions
+over raw pointers, so it needs no torch headers (it builds in about a second) and no Python bindings. The
+build is keyed by the source and the headers, the compiler and the flags: `-O3 -march=native` targets
+the CPU it runs on (AVX-512 where there is one; the sources keep a portable path for CPUs without),
+`-fno-math-errno` lets loops of expf use the vector math library, `-fopenmp` shares torch's OpenMP runtime
 (the same libgomp is already loaded, so the kernels' threads are torch's threads: `torch.set_num_threads`
 applies to them). The library lands in $XDG_CACHE_HOME/prefixserve/kernels (else ~/.cache/...), written to a
 temporary name and renamed, so concurrent builds never see a half-written file.
@@ -51,6 +51,7 @@ def load(name: str) -> ctypes.CDLL:
         if cxx is None:
             raise KernelUnavailable("no C++ compiler (g++) found; the CPU kernels cannot be built")
         source = (_SOURCES / f"{name}.cpp").read_bytes()
+        source += b"".join(h.read_bytes() for h in sorted(_SOURCES.glob("*.h")))     # the headers it may include
         key = hashlib.sha256(source + cxx.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
         lib = cache_dir() / f"{name}-{key}.so"
         if not lib.exists():
