@@ -147,9 +147,10 @@ def _echo(prepared: Prepared) -> list[str] | None:
 async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], Shaper]) -> web.StreamResponse:
     """A whole HTTP generation request: every stage, then SSE or one JSON answer."""
     ready = request.app[STATE].ready()
-    raw = await read_body(request, ready.config.body_timeout)
-    prepared = await prepare(ready, raw, chat)
-    gen = await submit(prepared, request.app[METRICS])
+    with ready.engine.arriving():       # a burst of requests is prefilled together (AsyncEngine.arriving)
+        raw = await read_body(request, ready.config.body_timeout)
+        prepared = await prepare(ready, raw, chat)
+    gen = await submit(prepared, request.app[METRICS])      # adds before its first await: no gap to miss
     try:
         shape = shaper(prepared)
         if prepared.req.stream:

@@ -338,3 +338,36 @@ async def test_grammars_compile_off_the_loop_and_the_engine_thread(tiny_model_di
             await bad.final()
     finally:
         await eng.shutdown()
+
+
+async def test_a_step_from_idle_waits_for_requests_still_arriving(tiny_llama_dir: Path) -> None:
+    """A burst: the first request is added while a second is still being prepared (`arriving`); the step
+    waits for it, so both are prefilled in the first step (without the wait, the first runs alone)."""
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
+    await eng.start()
+    steps: list[set[str]] = []
+    inner = eng._engine.step
+
+    def step() -> list[RequestOutput]:
+        outs = inner()
+        steps.append({o.request_id for o in outs})
+        return outs
+
+    eng._engine.step = step  # type: ignore[method-assign]
+    try:
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        with eng.arriving():
+            first = eng.add(toks(9, 1), params, request_id="first")
+            await asyncio.sleep(0.02)                    # the second is still being tokenized
+        second = eng.add(toks(9, 2), params, request_id="second")
+        await first.final()
+        await second.final()
+        assert steps[0] == {"first", "second"}, steps
+        # nothing arriving: a lone request starts at once, and a request that never comes costs GATHER_S at most
+        with eng.arriving():
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await eng.add(toks(9, 3), params, request_id="third").final()
+            assert loop.time() - t0 < 5
+    finally:
+        await eng.shutdown()
