@@ -1,4 +1,5 @@
-// bf16 tiles of paged attention on the CPU (AVX-512 BF16), shared by paged_prefill.cpp and paged_decode.cpp:
+// bf16 tiles of paged attention on the CPU (AVX-512 BF16), used by paged_prefill.cpp (paged_decode.py says why
+// decode keeps float32 products):
 // a tile's K transposed into dimension pairs and its V interleaved into token pairs, so that scores and
 // values run as vdpbf16ps (two bf16 products a lane, float32 sums), with a vectorized exp.
 #pragma once

@@ -20,7 +20,6 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#include "bf16_tile.h"
 
 namespace {
 
@@ -58,18 +57,16 @@ bool g_generic = false;       // tests: run the portable loops even where AVX-51
 // in the item's partials: st = part + (member * H + head) * (D + 2) = {max, sum, accumulator[D]}.
 struct Rows {
     const float* q[MAX_MEMBERS * MAX_GROUP];
-    const uint32_t* qw[MAX_MEMBERS * MAX_GROUP];     // the same queries as bf16 dimension pairs (bf16 caches)
     float* st[MAX_MEMBERS * MAX_GROUP];
     int n;
 };
 
-inline Rows rows_of(const float* qs, const uint32_t* qw, float* part, int nmem, int h, int H, int G, int D) {
+inline Rows rows_of(const float* qs, float* part, int nmem, int h, int H, int G, int D) {
     Rows r;
     r.n = nmem * G;
     for (int x = 0; x < r.n; ++x) {
         const int head = h * G + x % G, i = x / G;
         r.q[x] = qs + (static_cast<int64_t>(i) * H + head) * D;
-        r.qw[x] = qw + (static_cast<int64_t>(i) * H + head) * (D / 2);
         r.st[x] = part + (static_cast<int64_t>(i) * H + head) * (D + 2);
     }
     return r;
@@ -286,58 +283,6 @@ void tile_avx512(const Rows& r, const KV* const* krow, const KV* const* vrow, in
 
 constexpr int TILE = 64;
 
-#if defined(PREFIXSERVE_BF16)
-// The bf16 form of a tile (bfloat16 caches, head_dim a multiple of 32): K as dimension pairs, V as token
-// pairs, the queries and the softmax weights rounded to bf16, products as vdpbf16ps with float32 sums
-// (bf16_tile.h); the online softmax as tile_avx512's.
-template <int NV>
-void tile_bf16(const Rows& r, const uint16_t* const* krow, const uint16_t* const* vrow, int n, uint32_t* kt,
-               uint32_t* vt, float* sc, uint32_t* pw) {
-    namespace b = prefixserve_bf16;
-    constexpr int D = 16 * NV, W = 8 * NV;
-    const int chunks = (n + 15) / 16;
-    b::pack_k(krow, n, D, kt);
-    b::pack_v(vrow, n, D, vt);
-    switch (chunks) {
-        case 1: b::scores_rows<1>(r.qw, r.n, kt, W, sc, TILE); break;
-        case 2: b::scores_rows<2>(r.qw, r.n, kt, W, sc, TILE); break;
-        case 3: b::scores_rows<3>(r.qw, r.n, kt, W, sc, TILE); break;
-        default: b::scores_rows<4>(r.qw, r.n, kt, W, sc, TILE); break;
-    }
-    float alpha[MAX_MEMBERS * MAX_GROUP];
-    const uint32_t* prow[MAX_MEMBERS * MAX_GROUP];
-    float* acc[MAX_MEMBERS * MAX_GROUP];
-    for (int x = 0; x < r.n; ++x) {
-        const float* s = sc + x * TILE;
-        float* st = r.st[x];
-        __m512 m = _mm512_set1_ps(-INFINITY);
-        for (int c = 0; c < chunks; ++c) {
-            const __mmask16 valid = static_cast<__mmask16>(n - 16 * c >= 16 ? 0xffff : (1u << (n - 16 * c)) - 1);
-            m = _mm512_mask_max_ps(m, valid, m, _mm512_load_ps(s + c * 16));
-        }
-        const float mx = std::max(st[0], _mm512_reduce_max_ps(m));
-        alpha[x] = std::exp(st[0] - mx);
-        __m512 e[TILE / 16];
-        __m512 sum = _mm512_setzero_ps();
-        for (int c = 0; c < TILE / 16; ++c) {
-            const int k = n - 16 * c;
-            const __mmask16 valid = static_cast<__mmask16>(k >= 16 ? 0xffff : k > 0 ? (1u << k) - 1 : 0);
-            e[c] = c < chunks ? _mm512_maskz_mov_ps(valid, b::exp512(_mm512_sub_ps(_mm512_load_ps(s + c * 16),
-                                                                                     _mm512_set1_ps(mx))))
-                              : _mm512_setzero_ps();
-            sum = _mm512_add_ps(sum, e[c]);
-        }
-        st[0] = mx;
-        st[1] = st[1] * alpha[x] + _mm512_reduce_add_ps(sum);
-        uint32_t* pr = pw + x * (TILE / 2);
-        for (int c = 0; c < TILE / 16; c += 2) b::pack_p(e[c], e[c + 1], pr + c * 8);
-        prow[x] = pr;
-        acc[x] = st + 2;
-    }
-    b::values_rows<NV>(acc, alpha, prow, vt, (n + 1) / 2, r.n);
-}
-#endif
-
 // One item: blocks [b0, b1) of members[0]'s table, attended by every member's queries. Writes, per member i
 // and head, part[(i * H + head) * (D + 2) + {0, 1, 2..}] = max, sum, unnormalized accumulator. Tile by
 // tile (TILE tokens, whatever the block size), KV head after KV head: a tile's K and V rows are read once
@@ -346,30 +291,17 @@ template <typename KV, int NV>
 void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, float* part) {
     const int H = a.H, G = a.H / a.Hkv, D = a.D, B = a.B, PS = a.D + 2;
     const int s0 = members[0], L = a.lens[s0];
-    // the scaled queries (and as bf16 pairs); scores; a transposed K tile; V as pairs; bf16 weights
-    thread_local std::vector<float> qbuf, qwbuf, sbuf, kbuf, vbuf, pbuf;
+    thread_local std::vector<float> qbuf, sbuf, kbuf;        // the scaled queries; scores; a transposed K tile
     qbuf.resize(static_cast<size_t>(nmem) * H * D);
-    qwbuf.resize(static_cast<size_t>(nmem) * H * D / 2 + 16);
     sbuf.resize(static_cast<size_t>(nmem) * G * TILE + 16);
     kbuf.resize(static_cast<size_t>(TILE) * D + 16);
-    vbuf.resize(static_cast<size_t>(TILE) * D / 2 + 16);
-    pbuf.resize(static_cast<size_t>(nmem) * G * TILE / 2 + 16);
-    const auto aligned = [](std::vector<float>& v) {
-        return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
-    };
     float* qs = qbuf.data();
-    uint32_t* qw = reinterpret_cast<uint32_t*>(aligned(qwbuf));
-    float* sc = aligned(sbuf);
-    float* kt = aligned(kbuf);
+    float* sc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf.data()) + 63) & ~uintptr_t{63});
+    float* kt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(kbuf.data()) + 63) & ~uintptr_t{63});
     for (int i = 0; i < nmem; ++i) {
         const float* qp = a.q + static_cast<int64_t>(members[i]) * H * D;
         for (int x = 0; x < H * D; ++x) qs[i * H * D + x] = qp[x] * a.scale;
     }
-#if defined(PREFIXSERVE_BF16)
-    constexpr bool bf16 = sizeof(KV) == 2 && NV % 2 == 0;
-    if constexpr (bf16)
-        for (int x = 0; x < nmem * H; ++x) prefixserve_bf16::pack_q(qs + x * D, 1.f, D, qw + x * (D / 2));
-#endif
     for (int i = 0; i < nmem * H; ++i) {
         part[i * PS] = -INFINITY;
         part[i * PS + 1] = 0.f;
@@ -390,21 +322,11 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
             vbase[j] = blk * a.vc_blk + off * a.vc_tok;
         }
         for (int h = 0; h < a.Hkv; ++h) {
-            const Rows r = rows_of(qs, qw, part, nmem, h, H, G, D);
+            const Rows r = rows_of(qs, part, nmem, h, H, G, D);
             for (int j = 0; j < n; ++j) {
                 krow[j] = kc + kbase[j] + h * a.kc_head;
                 vrow[j] = vc + vbase[j] + h * a.vc_head;
             }
-#if defined(PREFIXSERVE_BF16)
-            if constexpr (bf16) {
-                if (!g_generic) {
-                    tile_bf16<NV>(r, reinterpret_cast<const uint16_t* const*>(krow),
-                                  reinterpret_cast<const uint16_t* const*>(vrow), n, reinterpret_cast<uint32_t*>(kt),
-                                  reinterpret_cast<uint32_t*>(aligned(vbuf)), sc, reinterpret_cast<uint32_t*>(aligned(pbuf)));
-                    continue;
-                }
-            }
-#endif
 #if defined(__AVX512F__)
             if (!g_generic) {
                 tile_avx512<KV, NV>(r, krow, vrow, n, kt, sc, TILE);
@@ -527,15 +449,6 @@ int prefixserve_paged_decode(const float* q, const float* k, const float* v, int
 }
 
 int prefixserve_num_threads() { return omp_get_max_threads(); }
-
-// 1 where bfloat16 caches take the bf16 products (AVX-512 BF16 here, the portable loops not forced).
-int prefixserve_paged_decode_bf16() {
-#if defined(PREFIXSERVE_BF16)
-    return g_generic ? 0 : 1;
-#else
-    return 0;
-#endif
-}
 
 // Tests: 1 runs the portable loops even where AVX-512 is there; returns whether AVX-512 loops exist.
 int prefixserve_paged_decode_generic(int on) {

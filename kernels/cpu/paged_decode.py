@@ -8,12 +8,11 @@ strides and makes the work plan (`plan`); the C++ file has the algorithm.
     key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim] float32 or bfloat16
     (any strides with head_dim contiguous: a layer's slice of the [layers, blocks, ...] cache)
 
-Products: float32 over a float32 cache; over a bfloat16 cache with head_dim a multiple of 32 on a CPU with
-AVX-512 BF16, bf16 dot products (vdpbf16ps: the scaled query and the softmax weights rounded to bf16,
-float32 sums; kernels/cpu/bf16_tile.h, shared with the prefill kernel), 8-26% faster a step here
-(measured on 64 x 200 and 8 x 1,100 contexts). Agreement criterion (tests/kernels/test_cpu_decode.py):
-float32 products within float32 rounding of the float64 reference; bf16 products within 0.5% of the
-largest |V| (measured about 0.1%).
+NOTE: decode keeps float32 products. bf16 dot products (as the prefill kernel's, kernels/cpu/bf16_tile.h)
+were measured 8-26% faster a step here, but rounding each step's query to bf16 turns the last-bit
+differences between two ways of computing the same prompt (a pinned prefix, or blocks another request
+computed) into different greedy tokens a few tokens later (tests/service/openai/test_real_model_http.py,
+named prefix against inline): not worth 2-5% of a step.
 
 The plan is a list of items (members, blocks [b0, b1)): every sequence's blocks are covered exactly once
 for it, by its own items or by the shared items of its cascade group. Cascading changes only the order in
@@ -162,11 +161,6 @@ def paged_decode_write(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     out = torch.empty_like(q)
     _call(q, key, value, key_cache, value_cache, p, scale, out)
     return out
-
-
-def bf16_products(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the kernel's products over a cache of this dtype run in bf16 (see the module docstring)."""
-    return dtype == torch.bfloat16 and head_dim % 32 == 0 and bool(load("paged_decode").prefixserve_paged_decode_bf16())
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:

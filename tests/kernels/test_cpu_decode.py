@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.cpu.build import available, load
-from kernels.cpu.paged_decode import MAX_MEMBERS, MIN_BLOCKS_PER_SPLIT, bf16_products, paged_decode, plan
+from kernels.cpu.paged_decode import MAX_MEMBERS, MIN_BLOCKS_PER_SPLIT, paged_decode, plan
 from tests.kernels.batch import PagedBatch, make_batch, make_metadata, pairwise, rebuild
 from tests.kernels.reference import default_scale, ref_attention
 
@@ -28,18 +28,6 @@ def reference(b: PagedBatch) -> torch.Tensor:
                          b.md.query_lens_list, default_scale(b.q.shape[2]))
 
 
-def check(out: torch.Tensor, b: PagedBatch, other: torch.Tensor | None = None) -> None:
-    """The kernel's criterion against the reference (or `other`): the reference reads the same cache values
-    in float64; float32 products differ by summation order and float32 rounding only (~1e-6 relative);
-    bf16 products (a bf16 cache) stay within 0.5% of the largest |V|."""
-    expected = reference(b) if other is None else other.double()
-    if bf16_products(b.key_cache.dtype, b.q.shape[2]):
-        vmax = b.value_cache.float().nan_to_num(0).abs().amax().item()
-        assert (out.double() - expected).abs().max().item() <= 0.005 * vmax
-    else:
-        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
-
-
 @pytest.mark.parametrize("group,head_dim,block_size,dtype,splits", pairwise(
     [1, 3, 4, 8], [32, 48, 64, 128], [1, 8, 16, 32], [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16],
     [1, 2, 3, 6]))
@@ -47,7 +35,9 @@ def test_cpu_decode_matches_reference(group: int, head_dim: int, block_size: int
                                       splits: int) -> None:
     b = make_batch(MIXED, [1, 1, 1], num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
                    block_size=block_size, dtype=dtype, seed=group * 1000 + head_dim + block_size, device="cpu")
-    check(run(b, splits), b)
+    # The reference reads the same (bf16-rounded) cache values in float64; the kernel accumulates in float32:
+    # only summation order and float32 rounding differ (~1e-6 relative), whatever the cache dtype.
+    torch.testing.assert_close(run(b, splits).double(), reference(b), atol=2e-5, rtol=2e-5)
 
 
 def test_cpu_decode_is_invariant_to_block_layout() -> None:
@@ -80,7 +70,7 @@ def test_cpu_decode_reads_a_layer_slice_of_the_cache() -> None:
     kc = torch.stack([torch.randn_like(b.key_cache, dtype=torch.float32).bfloat16(), b.key_cache])
     vc = torch.stack([torch.randn_like(b.value_cache, dtype=torch.float32).bfloat16(), b.value_cache])
     out = paged_decode(b.q.float().contiguous(), kc[1], vc[1], b.md.block_tables, b.md.seq_lens, default_scale(64))
-    check(out, b)
+    torch.testing.assert_close(out.double(), reference(b), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype,head_dim,block_size", [(torch.bfloat16, 48, 8), (torch.float32, 64, 16)])
@@ -121,10 +111,9 @@ def test_cascade_matches_reference_and_the_plain_plan(dtype: torch.dtype) -> Non
     assert p.shared_blocks >= 18 * 6 + 2 * 3                  # the prefixes are read once, not once a sequence
     assert p.items[:, 1].max() == MAX_MEMBERS                  # the group of 19 takes two items
     cascaded, plain = run(b), run(b, cascade=False)
-    check(cascaded, b)
-    # Cascading changes only the merge order of each sequence's partial sums: float32 rounding apart (and,
-    # with bf16 products, where the softmax weights are rounded: the criterion's bound)
-    check(cascaded, b, plain)
+    torch.testing.assert_close(cascaded.double(), reference(b), atol=2e-5, rtol=2e-5)
+    # Cascading changes only the merge order of each sequence's partial sums: float32 rounding apart.
+    torch.testing.assert_close(cascaded, plain, atol=1e-5, rtol=1e-5)
 
 
 def covered(p) -> dict[tuple[int, int], int]:
