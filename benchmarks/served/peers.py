@@ -494,10 +494,9 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench peers") -
     table, ratios = report(medians, systems, {s: why for s, why in absent.items() if s not in medians or "failed" in
                                               why})
     loads = {s: [f["load"] for f in fs] for s, fs in runs.items()}
-    for s, fs in runs.items():
-        for f in fs:
-            for step, why in f.get("failed", {}).items():
-                table += f"\n\n**{s}, {step}: failed** ({why[:300]})"
+    failures = {(s, step): why for s, fs in runs.items() for f in fs for step, why in f.get("failed", {}).items()}
+    for (s, step), why in failures.items():         # once each, however many rounds it failed in
+        table += f"\n\n**{s}, {step}: failed** ({why[:300]})"
     table += (f"\n\nMedians over {args.rounds} round(s), systems alternating; 1-minute load average before each "
               f"workload: " + "; ".join(f"{s} {json.dumps(v)}" for s, v in loads.items()) +
               "\n\nVersions: " + ", ".join(f"{s} {servers[s].version}" for s in servers) +
