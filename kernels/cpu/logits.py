@@ -1,0 +1,74 @@
+"""Launchers of the per-row logits reductions (kernels/cpu/logits.cpp): one pass (two at most, the second
+from cache) where torch runs logsumexp, argmax and topk as separate passes over a step's [T, V] logits.
+
+    row_stats(x)      x [T, V] float32 -> (lse [T] float32, argmax [T] int64)
+                      lse: torch.logsumexp's value and special cases (NaN row -> NaN, a +inf -> +inf, every
+                      logit -inf -> -inf), within float32 rounding (the sum runs in float32 lanes, then double);
+                      argmax: torch.argmax's index exactly (the first of equal maxima) on rows without NaN
+    row_topk(x, k)    x [T, V] float32 or bfloat16 -> [T, k] int64: the indices of each row's k largest values,
+                      in no particular order (k <= 64); of equal values at the boundary, the earlier index;
+                      NaN is never chosen over a number
+
+`available()` says whether the kernel builds here (a C++ compiler); callers keep torch's operators otherwise.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import torch
+
+from kernels.cpu.build import available as _built, load
+
+MAX_K = 64
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@functools.cache
+def _lib() -> Any:
+    lib = load("logits")
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.prefixserve_row_stats.argtypes = [p, i64, i, i, p, p]
+    lib.prefixserve_row_stats.restype = None
+    lib.prefixserve_row_topk.argtypes = [p, i, i64, i, i, i, p]
+    lib.prefixserve_row_topk.restype = ctypes.c_int
+    lib.prefixserve_logits_generic.argtypes = [i]
+    lib.prefixserve_logits_generic.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    return _built("logits")
+
+
+def _check(x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    assert x.dim() == 2 and x.dtype in dtypes and x.stride(1) == 1 and x.device.type == "cpu", (x.shape, x.dtype)
+    assert x.shape[1] < 2**31 and x.shape[0] < 2**31
+
+
+def row_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, (torch.float32,))
+    lse = torch.empty(x.shape[0], dtype=torch.float32)
+    arg = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0] and x.shape[1]:
+        _lib().prefixserve_row_stats(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], lse.data_ptr(),
+                                     arg.data_ptr())
+    return lse, arg
+
+
+def row_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    _check(x, tuple(_DTYPES))
+    assert 1 <= k <= min(MAX_K, x.shape[1]), (k, x.shape)
+    out = torch.empty(x.shape[0], k, dtype=torch.int64)
+    if x.shape[0]:
+        rc = _lib().prefixserve_row_topk(x.data_ptr(), _DTYPES[x.dtype], x.stride(0), x.shape[0], x.shape[1], k,
+                                         out.data_ptr())
+        assert rc == 0, rc
+    return out
+
+
+def set_generic(on: bool) -> bool:
+    """Tests: run the portable loops instead of the AVX-512 ones; returns whether AVX-512 loops exist."""
+    return bool(_lib().prefixserve_logits_generic(int(on)))

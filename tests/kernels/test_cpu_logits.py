@@ -1,0 +1,104 @@
+"""The per-row logits reductions (kernels/cpu/logits.cpp) against torch's logsumexp, argmax and topk, on
+strided rows, with the AVX-512 loops and the portable ones; and the sampler and the quantized head, which use
+them on the CPU, against torch's operators.
+
+Agreement criterion (kernels/cpu/logits.py): argmax equal to torch.argmax's index exactly, the first of equal
+maxima included; logsumexp within float32 rounding, with torch's special values for NaN / +inf / all -inf
+rows; topk the same set of indices as torch.topk where the k-th and (k+1)-th values differ, the earlier
+index where they tie, never a NaN.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine.sample import sampler
+from engine.sample.sampler import Sampler
+from engine.sequence import SamplingParams
+from kernels.cpu import logits as L
+from kernels.cpu.build import available
+
+pytestmark = pytest.mark.skipif(not available("logits"), reason="no C++ compiler to build the CPU kernels")
+
+
+@pytest.fixture(params=[False, True], ids=["avx512", "generic"])
+def generic(request: pytest.FixtureRequest) -> Iterator[bool]:
+    if not request.param and not L.set_generic(False):
+        pytest.skip("no AVX-512 loops on this CPU")
+    L.set_generic(request.param)
+    yield request.param
+    L.set_generic(False)
+
+
+def strided(rows: int, width: int, seed: int, scale: float = 4.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, width + 40, generator=g) * scale)[:, 8:8 + width]
+
+
+@pytest.mark.parametrize("width", [7, 16, 49152, 1001])
+def test_row_stats_equal_torch(generic: bool, width: int) -> None:
+    x = strided(13, width, seed=width)
+    x[1, width // 2] = x[1].max() + 1
+    x[1, width - 1] = x[1, width // 2]                      # a tie for the maximum: the first index wins
+    x[2] = 5.0                                              # a row of equal values: index 0
+    x[3, :] = float("-inf")
+    x[4, width // 3] = float("inf")
+    x[5, width - 1] = float("nan")
+    x[6, 0] = float("-inf")
+    lse, arg = L.row_stats(x)
+    want_lse, want_arg = torch.logsumexp(x, dim=-1), x.argmax(dim=-1)
+    plain = [r for r in range(13) if r != 5]                # a NaN row: only its lse is promised (NaN)
+    assert arg[plain].tolist() == want_arg[plain].tolist()
+    assert arg[1].item() == width // 2 and arg[2].item() == 0
+    assert lse[3].item() == float("-inf") and lse[4].item() == float("inf") and torch.isnan(lse[5])
+    finite = [r for r in plain if r not in (3, 4)]
+    torch.testing.assert_close(lse[finite], want_lse[finite], rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 16, 64])
+def test_row_topk_equal_torch(generic: bool, dtype: torch.dtype, k: int) -> None:
+    x = strided(9, 4099, seed=k).to(dtype)
+    x[2, 100:300] = x[2].max() + 1                          # 200 equal maxima: the first k of them
+    x[3, ::7] = float("nan")                                # NaN never displaces a number
+    got = L.row_topk(x, k)
+    assert got.shape == (9, k) and got.dtype == torch.int64
+    for r in range(9):
+        row, vals = got[r].tolist(), x[r].float().nan_to_num(float("-inf"))
+        assert len(set(row)) == k
+        kth = vals[row].min()
+        above = (vals > kth).nonzero().flatten().tolist()
+        tied = (vals == kth).nonzero().flatten().tolist()
+        assert set(above) <= set(row)                                       # everything larger is in
+        assert sorted(set(row) - set(above)) == tied[:k - len(above)]       # of the ties, the first ones
+        assert torch.equal(vals[row].sort().values, vals.topk(k).values.sort().values)   # torch's values
+    assert sorted(got[2].tolist()) == list(range(100, 100 + k))
+
+
+def test_sampler_on_the_kernel_equals_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler's tokens and log-probabilities with the kernel equal those of torch's operators."""
+    logits = strided(40, 4096, seed=3)
+    logits[7, 11] = logits[7].max() + 3
+    logits[7, 12] = logits[7, 11]                           # a greedy tie: the first index, as torch.argmax
+    logits[9, 5] = float("nan")                             # a broken row: reported, the others untouched
+    params = [SamplingParams(temperature=0.0, logprobs=3) if i % 2 else SamplingParams(temperature=0.9, seed=i)
+              for i in range(40)]
+
+    def run() -> tuple[list[int], list[float], list[dict[int, float]], list[int]]:
+        out = Sampler()(logits.clone(), params, [torch.Generator().manual_seed(i) for i in range(40)])
+        return out.token_ids, out.logprobs, out.top_logprobs or [], out.failed
+
+    calls: list[int] = []
+    real = sampler._fused_stats
+    monkeypatch.setattr(sampler, "_fused_stats", lambda x: calls.append(1) or real(x))
+    ids, logprobs, tops, failed = run()
+    assert calls and ids[7] == 11 and failed == [9]
+    monkeypatch.setattr(sampler, "_fused_stats", lambda x: None)            # torch's operators
+    want_ids, want_logprobs, want_tops, want_failed = run()
+    assert ids == want_ids and failed == want_failed
+    good = [i for i in range(40) if i != 9]
+    torch.testing.assert_close(torch.tensor(logprobs)[good], torch.tensor(want_logprobs)[good], rtol=0, atol=1e-5)
+    for a, b in zip(tops, want_tops):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
