@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from kernels.cpu.build import available as _built, load
+from kernels.cpu.build import available as _built
+from kernels.cpu.build import load
 
 MAX_K = 64
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
