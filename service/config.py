@@ -30,6 +30,8 @@ class ServiceConfig:
     keepalive_interval: float = knob(5.0, "SSE comment after this many idle seconds")
     max_body_bytes: int = knob(4 * 2**20, "larger request bodies get 413")
     max_choices: int = knob(128, "most prompts x n (and x best_of) per request")
+    strict_fields: bool = knob(False, "refuse request fields this server does not know with a 400 (default: "
+                                      "accept them, ignored, and name them in a warning and X-Ignored-Fields)")
     max_ws_generations: int = knob(64, "most concurrent generations per WebSocket")
     max_prefixes: int = knob(1024, "most registered prefixes (per model); beyond it registrations get 507")
     keepalive_timeout: float = knob(30.0, "seconds an idle connection, or one whose request headers never "

@@ -11,7 +11,7 @@ honour yet with a 400 naming them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequest
@@ -29,6 +29,7 @@ class GenerationRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk
     return_token_ids: bool = False
     prefix: str | None = None
     user: str | None = None
@@ -40,6 +41,7 @@ class GenerationRequest:
 class Parsed:
     body: CompletionRequest | ChatCompletionRequest
     req: GenerationRequest
+    ignored: list[str] = field(default_factory=list)    # fields the schema does not know, dropped (schema.py)
 
     @property
     def num_prompts(self) -> int:
@@ -50,11 +52,14 @@ class Parsed:
         return 1 if all(isinstance(t, int) for t in body.prompt) else len(body.prompt)
 
 
-def parse(raw: bytes | dict[str, Any], chat: bool, served: str, max_choices: int) -> Parsed:
-    """The body validated as a chat or completion request, for the model this server serves. Raises a 4xx."""
-    body = parse_model(ChatCompletionRequest if chat else CompletionRequest, raw)
+def parse(raw: bytes | dict[str, Any], chat: bool, served: str, max_choices: int,
+          strict_fields: bool = False) -> Parsed:
+    """The body validated as a chat or completion request, for the model this server serves. Raises a 4xx.
+    Unknown fields are dropped and listed in `Parsed.ignored` (refused with `strict_fields`)."""
+    ignored: list[str] = []
+    body = parse_model(ChatCompletionRequest if chat else CompletionRequest, raw, strict_fields, ignored)
     check_model(body.model, served)
-    return Parsed(body, to_generation(body, max_choices=max_choices))
+    return Parsed(body, to_generation(body, max_choices=max_choices), ignored)
 
 
 def check_model(model: str | None, served: str) -> None:
@@ -90,6 +95,20 @@ def _structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredSpe
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise invalid("response_format json_schema needs a json_schema with a schema", "response_format")
         specs.append(StructuredSpec("json_schema", json.dumps(fmt.json_schema.schema_), "response_format"))
+    so = req.structured_outputs
+    if so is not None:
+        if so.grammar is not None:
+            raise invalid("structured_outputs.grammar is not supported: use json, regex or choice",
+                          "structured_outputs")
+        if so.json_ is not None:
+            schema = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+            specs.append(StructuredSpec("json_schema", schema, "structured_outputs"))
+        if so.regex is not None:
+            specs.append(StructuredSpec("regex", so.regex, "structured_outputs"))
+        if so.choice is not None:
+            specs.append(StructuredSpec.choice(list(so.choice), "structured_outputs"))
+        if so.json_object:
+            specs.append(StructuredSpec("json", param="structured_outputs"))
     if isinstance(req, CompletionRequest):
         if req.guided_json is not None:
             schema = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
@@ -99,8 +118,8 @@ def _structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredSpe
         if req.guided_choice is not None:
             specs.append(StructuredSpec.choice(list(req.guided_choice)))
     if len(specs) > 1:
-        raise invalid("give at most one output constraint (response_format, guided_json, guided_regex, "
-                      "guided_choice)", specs[1].param)
+        raise invalid("give at most one output constraint (response_format, structured_outputs, guided_json, "
+                      "guided_regex, guided_choice)", specs[1].param)
     return specs[0] if specs else None
 
 
@@ -176,6 +195,7 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
     options = req.stream_options
     return GenerationRequest(params=params, stream=bool(req.stream),
                              include_usage=bool(options and options.include_usage),
+                             continuous_usage=bool(options and options.continuous_usage_stats),
                              return_token_ids=bool(req.return_token_ids), prefix=req.prefix, user=req.user,
                              echo=echo, tools=plan)
 

@@ -25,6 +25,7 @@ and handed over as an immutable snapshot.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from service.openai.schema import CompletionRequest
 from service.state import STATE, Ready
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+IGNORED_HEADER = "X-Ignored-Fields"     # the unknown fields a request sent, dropped (schema.py's field policy)
 
 
 async def off_loop(executor: ThreadPoolExecutor, fn: Callable[[], T]) -> T:
@@ -87,11 +90,20 @@ class Shaper(Protocol):
 async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool) -> Prepared:
     """parse -> prefix -> limits -> tokenize (the module docstring's stages)."""
     max_choices = ready.config.max_choices
-    parsed = await off_loop(ready.executor, lambda: params.parse(raw, chat, ready.model_name, max_choices))
+    parsed = await off_loop(ready.executor, lambda: params.parse(raw, chat, ready.model_name, max_choices,
+                                                                 ready.config.strict_fields))
     prefix = _snapshot(ready, parsed.req.prefix)
     check_choices(parsed.num_prompts, parsed.req.params, max_choices)
     tokenizer = ready.engine.tokenizer
     return Prepared(parsed, await off_loop(ready.executor, lambda: render.tokenize(parsed, tokenizer, prefix)), ready)
+
+
+def ignored_fields(names: list[str]) -> dict[str, str]:
+    """The warning for a request's unknown fields (schema.parse_model): a log line, and the header to send."""
+    if not names:
+        return {}
+    log.warning("request fields not known to this server were ignored: %s", ", ".join(names))
+    return {IGNORED_HEADER: ", ".join(names)}
 
 
 def _snapshot(ready: Ready, name: str | None) -> PrefixSnapshot | None:
@@ -151,14 +163,16 @@ async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], S
         raw = await read_body(request, ready.config.body_timeout)
         prepared = await prepare(ready, raw, chat)
     gen = await submit(prepared, request.app[METRICS])      # adds before its first await: no gap to miss
+    headers = ignored_fields(prepared.parsed.ignored)
     try:
         shape = shaper(prepared)
         if prepared.req.stream:
             usage_chunk = {**shape.head(gen), "choices": []} if prepared.req.include_usage else None
-            return await sse.stream(request, gen, lambda d: shape.chunks(gen, d), usage_chunk,
-                                    ready.config.keepalive_interval)
+            chunks = (lambda d: [{**c, "usage": gen.usage.as_dict()} for c in shape.chunks(gen, d)]) \
+                if prepared.req.continuous_usage else (lambda d: shape.chunks(gen, d))
+            return await sse.stream(request, gen, chunks, usage_chunk, ready.config.keepalive_interval, headers)
         choices = await gen.collect()
-        return web.json_response({**shape.body(gen, choices), "usage": gen.usage.as_dict()})
+        return web.json_response({**shape.body(gen, choices), "usage": gen.usage.as_dict()}, headers=headers)
     finally:
         gen.close()
         record_usage(request, gen.usage)

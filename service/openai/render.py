@@ -38,8 +38,9 @@ def tokenize(parsed: Parsed, tokenizer: Any, prefix: PrefixSnapshot | None) -> l
                           "one: use tool_choice \"required\" or name a function", "tool_choice")
         tools = plan.template_tools() if plan is not None else None
         cont = bool(body.continue_final_message)
+        extra = template_kwargs(body.chat_template_kwargs)
         return [render_messages(messages, tokenizer, add_generation_prompt=body.add_generation_prompt is not False
-                                and not cont, tools=tools, continue_final=cont)]
+                                and not cont, tools=tools, continue_final=cont, extra=extra)]
     if prefix is None:
         return parse_prompts(body, tokenizer)
     head = list(prefix.token_ids)
@@ -91,19 +92,42 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+# Template variables a request's chat_template_kwargs may not set: the request's own fields, and what would
+# change how the rendering is tokenized or returned.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                      "continue_final_message", "tokenize", "return_dict", "return_tensors",
+                                      "chat_template", "padding", "truncation", "max_length", "tokenizer_kwargs",
+                                      "return_assistant_tokens_mask", "bos_token", "eos_token"})
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs: more variables for the chat template (a template that does not use one
+    renders as without it); the reserved names are refused."""
+    if not kwargs:
+        return {}
+    bad = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise invalid(f"chat_template_kwargs may not set {bad[0]!r} (use the request field)", "chat_template_kwargs")
+    return dict(kwargs)
+
+
 def render_text(clean: list[dict[str, Any]], tokenizer: Any, add_generation_prompt: bool,
-                tools: list[dict[str, Any]] | None = None, continue_final: bool = False) -> str:
+                tools: list[dict[str, Any]] | None = None, continue_final: bool = False,
+                extra: dict[str, Any] | None = None) -> str:
     """The chat template's rendering of `clean` messages (and `tools`, for templates that take them).
-    `continue_final`: the last message is left open, for the model to go on with it."""
+    `continue_final`: the last message is left open, for the model to go on with it. `extra`: more template
+    variables (chat_template_kwargs)."""
     try:
         return str(tokenizer.apply_chat_template(clean, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final, tokenize=False))
+                                                 continue_final_message=continue_final, tokenize=False,
+                                                 **(extra or {})))
     except Exception as exc:  # a template that raises on this input (jinja's raise_exception, bad roles)
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
 
 
 def render_messages(clean: list[dict[str, Any]], tokenizer: Any, add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None, continue_final: bool = False) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, continue_final: bool = False,
+                    extra: dict[str, Any] | None = None) -> list[int]:
     """Token ids of the chat template's rendering; the template adds the special tokens.
 
     NOTE: message content is text. A message holding the text of a special token (a user typing
@@ -111,14 +135,14 @@ def render_messages(clean: list[dict[str, Any]], tokenizer: Any, add_generation_
     tokens, never as the control token: the template's own parts and each content are encoded apart,
     the contents with the special tokens split. Content without such text (nearly all) is encoded with
     the whole rendering at once, exactly as before."""
-    text = render_text(clean, tokenizer, add_generation_prompt, tools, continue_final)
+    text = render_text(clean, tokenizer, add_generation_prompt, tools, continue_final, extra)
     specials = _special_texts(tokenizer)
     contents = [m["content"] for m in clean]
     if not any(s in c for c in contents for s in specials):
         return list(tokenizer.encode(text, add_special_tokens=False))
     marks = [f"\ue000{i}\ue001" for i in range(len(clean))]          # private-use code points
     marked = render_text([{**m, "content": mark} for m, mark in zip(clean, marks)], tokenizer,
-                         add_generation_prompt, tools, continue_final)
+                         add_generation_prompt, tools, continue_final, extra)
     pieces, rest = [], marked
     for mark in marks:
         if rest.count(mark) != 1:

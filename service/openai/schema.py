@@ -1,8 +1,13 @@
 """The request schema: typed pydantic models for every JSON body the service accepts.
 
-One source of truth: validation (strict types, ranges, unknown fields refused) and /openapi.json
-(service/openapi.py) both come from these models. A field is either honoured or refused with a 400 that
-names it; unknown fields are refused, except the documented extensions below.
+One source of truth: validation (strict types, ranges) and /openapi.json (service/openapi.py) both come from
+these models. A known field is honoured, accepted as having no effect here (listed in NO_EFFECT, typed all the
+same: a wrong value is a 400 naming it), or refused with a 400 that names it and says why. A field nobody
+declared (anywhere in the body: top level, messages, stream_options...) is accepted and ignored, and named
+in a warning (`parse_model` collects them: the pipeline logs them and sends them back in the
+`X-Ignored-Fields` header), as vLLM does; `--strict-fields` refuses them with a 400 instead. That is the
+generation endpoints' policy (chat, completions, the WebSocket); our own APIs (prefixes, tokenize) refuse
+unknown fields always.
 
 Extensions beyond the OpenAI API (vLLM's names where vLLM has the field):
   prefix                     name of a registered prefix to put before the prompt (ours)
@@ -12,6 +17,15 @@ Extensions beyond the OpenAI API (vLLM's names where vLLM has the field):
   include_stop_str_in_output, add_generation_prompt and continue_final_message (chat)  (vLLM's)
   no_stop_trim (= include_stop_str_in_output), return_hidden_states (false only),
   separate_reasoning, stream_reasoning, include_reasoning (true only)                   (SGLang's)
+
+Fields of the OpenAI SDK's request types, other servers' and clients that have no effect here (NO_EFFECT):
+  store, metadata, service_tier, reasoning_effort, verbosity, safety_identifier, prediction, prompt_cache_key,
+  prompt_cache_retention (every prompt is prefix-cached already), stream_options.include_obfuscation,
+  priority (vLLM's), cache_prompt (llama.cpp's); in messages clients echo back: refusal, annotations, audio,
+  reasoning_content / reasoning, provider_specific_fields (litellm's). `modalities` takes ["text"] only,
+  `audio` and a message's `function_call` null only, chat `echo` false only (vLLM's).
+Honoured beyond the above: stream_options.continuous_usage_stats (usage on every chunk), chat_template_kwargs
+(extra variables for the chat template, vLLM's), structured_outputs (vLLM's: json, regex, choice, json_object).
 
 SGLang's fields are those vllm-router writes into every request it forwards, at their defaults. The
 three reasoning fields only matter to a server with a reasoning parser; this one has none, so the
@@ -59,13 +73,24 @@ StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
 
 
 class _Strict(BaseModel):
-    """Strict types (no "5" for 5, no 1 for true), unknown fields refused."""
+    """Strict types (no "5" for 5, no 1 for true); unknown fields kept aside for `parse_model` to name."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+# Known fields accepted without effect on this server (the module docstring says why each).
+NO_EFFECT = ("store", "metadata", "service_tier", "reasoning_effort", "verbosity", "safety_identifier", "prediction",
+             "prompt_cache_key", "prompt_cache_retention", "priority", "cache_prompt", "include_obfuscation",
+             "refusal", "annotations", "audio", "reasoning_content", "reasoning", "provider_specific_fields")
+MAX_METADATA = 16            # OpenAI's limit: 16 pairs, keys of 64 characters, values of 512
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False                # vLLM's: usage (so far) on every chunk
+    include_obfuscation: bool | None = None             # no effect
 
 
 class TextPart(_Strict):
@@ -90,6 +115,14 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None           # an assistant turn that called tools
     tool_call_id: str | None = None                    # a tool turn: the call it answers
+    # what clients echo back from an answer (message.model_dump(), litellm's objects): no effect here
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: None = None                         # the deprecated functions API: null only
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    provider_specific_fields: dict[str, Any] | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -124,12 +157,24 @@ class JsonSchemaFormat(_Strict):
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
 
 
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: one of json (a schema), regex, choice, json_object (grammar is refused)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
 
 
 class _Sampling(_Strict):
@@ -168,6 +213,16 @@ class _Sampling(_Strict):
     separate_reasoning: bool | None = None
     stream_reasoning: bool | None = None
     include_reasoning: Literal[True] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # accepted, no effect here (NO_EFFECT)
+    store: bool | None = None
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA)] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    priority: int | None = None
+    cache_prompt: bool | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -202,6 +257,14 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None     # default true: the template opens the assistant's turn
     continue_final_message: bool | None = None    # the last (assistant) message left open, to be continued
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: more variables for the chat template
+    modalities: list[Literal["text"]] | None = None      # text is what this server answers
+    audio: None = None                                   # no audio output: null only
+    echo: Literal[False] | None = None                   # vLLM's chat echo: not supported, false only
+    # accepted, no effect here (NO_EFFECT)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: dict[str, Any] | None = None
 
 
 NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"     # no "." or ".." alone, no trailing newline
@@ -240,14 +303,50 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
-def parse_model(model: type[_Strict], raw: bytes | str | dict[str, Any]) -> Any:
-    """`raw` (JSON bytes or text, or an already parsed object) as `model`; a 400 naming the field otherwise."""
+MAX_IGNORED = 16             # unknown fields named in a warning (the rest counted)
+
+
+def parse_model(model: type[_Strict], raw: bytes | str | dict[str, Any], strict_fields: bool = False,
+                ignored: list[str] | None = None) -> Any:
+    """`raw` (JSON bytes or text, or an already parsed object) as `model`; a 400 naming the field otherwise.
+    Fields the schema does not declare are dropped and their paths appended to `ignored` (at most
+    MAX_IGNORED of them); with `strict_fields` the first is refused with a 400 instead."""
     try:
-        if isinstance(raw, dict):
-            return model.model_validate(raw)
-        return model.model_validate_json(raw)
+        body = model.model_validate(raw) if isinstance(raw, dict) else model.model_validate_json(raw)
     except ValidationError as exc:
         raise _schema_error(exc) from None
+    found = _unknown(body, "")
+    if found and strict_fields:
+        raise invalid(f"unknown field {found[0]!r}: this server does not accept it (see /openapi.json)",
+                      found[0].split(".")[0].split("[")[0])
+    if ignored is not None:
+        ignored += found[:MAX_IGNORED]
+        if len(found) > MAX_IGNORED:
+            ignored.append(f"(and {len(found) - MAX_IGNORED} more)")
+    return body
+
+
+def _unknown(node: Any, path: str) -> list[str]:
+    """The dotted paths of undeclared fields under `node`, dropped from it on the way."""
+    found: list[str] = []
+    if isinstance(node, BaseModel):
+        extra = node.__pydantic_extra__
+        if extra:
+            found += [f"{path}{_printable(k)}" for k in extra]
+            extra.clear()
+        for name in type(node).model_fields:
+            found += _unknown(getattr(node, name), f"{path}{name}.")
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            if isinstance(item, BaseModel):
+                found += _unknown(item, f"{path[:-1]}[{i}].")
+    return found
+
+
+def _printable(name: str) -> str:
+    """A client's field name as it may appear in a header and a log line: short, printable ASCII only."""
+    clean = "".join(c if c.isascii() and c.isprintable() and c not in ",\"" else "?" for c in name[:64])
+    return clean + ("..." if len(name) > 64 else "")
 
 
 def parse_object(raw: bytes) -> dict[str, Any]:

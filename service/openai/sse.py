@@ -26,13 +26,14 @@ def event(payload: dict[str, Any]) -> bytes:
 
 
 async def stream(request: web.Request, gen: Generation, chunks: Callable[[ChoiceDelta], list[dict[str, Any]]],
-                 usage_chunk: dict[str, Any] | None, keepalive: float) -> web.StreamResponse:
+                 usage_chunk: dict[str, Any] | None, keepalive: float,
+                 headers: dict[str, str] | None = None) -> web.StreamResponse:
     """Writes the generation as SSE. `usage_chunk` (usage filled in at the end) goes before [DONE].
 
     NOTE: the caller closes `gen` in its `finally`; a client that goes away makes a write fail or
     (handler_cancellation) cancels this task, and either way its engine requests are aborted.
     """
-    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **(headers or {})})
     await resp.prepare(request)
     try:
         async for delta in gen.events(keepalive):

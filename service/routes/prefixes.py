@@ -28,7 +28,7 @@ def _render(raw: bytes, tokenizer: Any) -> tuple[PrefixRequest, list[int], dict[
     """The request, the prefix's tokens and its source: a prompt as completions encode it, or messages
     through the chat template without a generation prompt (a chat request naming the prefix renders
     after it)."""
-    body = parse_model(PrefixRequest, raw)
+    body = parse_model(PrefixRequest, raw, strict_fields=True)   # our own API: a misspelt field is an error
     if (body.prompt is None) == (body.messages is None):
         raise invalid("give exactly one of prompt or messages", "prompt")
     if body.prompt is not None:

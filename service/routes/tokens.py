@@ -21,7 +21,7 @@ from service.state import STATE
 
 def _tokenize(raw: bytes, tokenizer: Any, served: str, max_model_len: int) -> dict[str, Any]:
     obj = parse_object(raw)
-    body = parse_model(TokenizeChat if "messages" in obj else TokenizeCompletion, obj)
+    body = parse_model(TokenizeChat if "messages" in obj else TokenizeCompletion, obj, strict_fields=True)
     check_model(body.model, served)
     if isinstance(body, TokenizeChat):
         tools = [t.model_dump() for t in body.tools] if body.tools else None
@@ -40,7 +40,7 @@ def _tokenize(raw: bytes, tokenizer: Any, served: str, max_model_len: int) -> di
 
 
 def _detokenize(raw: bytes, tokenizer: Any, served: str, vocab_size: int) -> dict[str, Any]:
-    body = parse_model(DetokenizeRequest, raw)
+    body = parse_model(DetokenizeRequest, raw, strict_fields=True)
     check_model(body.model, served)
     if any(t >= vocab_size for t in body.tokens):
         raise invalid(f"token ids must be in [0, {vocab_size})", "tokens")

@@ -3,7 +3,8 @@
 In:  {"type": "generate", "id": ..., "prompt" | "messages": ..., <HTTP sampling fields>}
      {"type": "cancel", "id": ...}
 Out: {"type": "delta", "id", "index", "text", "token_ids"[, "logprobs"]}
-     {"type": "done", "id", "finish_reason", "choices": [{"index", "finish_reason"}], "usage"}
+     {"type": "done", "id", "finish_reason", "choices": [{"index", "finish_reason"}], "usage"
+      [, "ignored_fields": [...]]}        (fields of the generate frame this server does not know, dropped)
      {"type": "error", "id", "error": {"message", "type", "param", "code"}}
 
 A `generate` body is validated like HTTP's: as a chat completion when it has `messages`, else as a
@@ -121,6 +122,7 @@ class Session:
         try:
             ready = self.state.ready()
             prepared = await pipeline.prepare(ready, live.body, chat="messages" in live.body)
+            pipeline.ignored_fields(prepared.parsed.ignored)        # the log line (the done frame names them)
             gen = pipeline.generation(prepared, self.request.app[METRICS])
             live.gen, live.reasons = gen, [None] * gen.num_choices
             if not live.cancelled:
@@ -141,7 +143,7 @@ class Session:
                     if d.finish_reason is not None:
                         live.reasons[d.index] = d.finish_reason
             reasons: list[str | None] = [r or "cancelled" for r in live.reasons] if live.cancelled else live.reasons
-            await self.send_done(gid, reasons, gen)
+            await self.send_done(gid, reasons, gen, prepared.parsed.ignored)
         except (ApiError, EngineError, RegistryError) as exc:
             await self.send_error(gid, exc)
         except ConnectionError:
@@ -154,11 +156,14 @@ class Session:
             if self.draining and not self.live:
                 await self.ws.close(code=1001, message=b"server shutting down")
 
-    async def send_done(self, gid: Any, reasons: list[str | None], gen: Generation) -> None:
+    async def send_done(self, gid: Any, reasons: list[str | None], gen: Generation, ignored: list[str]) -> None:
         if not self.ws.closed:
-            await self.ws.send_json({"type": "done", "id": gid, "finish_reason": reasons[0] if reasons else None,
-                                     "choices": [{"index": i, "finish_reason": r} for i, r in enumerate(reasons)],
-                                     "usage": gen.usage.as_dict()})
+            frame = {"type": "done", "id": gid, "finish_reason": reasons[0] if reasons else None,
+                     "choices": [{"index": i, "finish_reason": r} for i, r in enumerate(reasons)],
+                     "usage": gen.usage.as_dict()}
+            if ignored:
+                frame["ignored_fields"] = ignored
+            await self.ws.send_json(frame)
 
     async def send_error(self, gid: Any, exc: ApiError | EngineError | RegistryError) -> None:
         err = to_api_error(exc)
