@@ -29,7 +29,7 @@ serve: $(STAMP)
 	$(VENV)/bin/prefixserve serve
 
 test: $(STAMP) redis chromium
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -x -p no:cacheprovider
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --durations=10
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -235,6 +235,14 @@ class Metrics:
             self.tpot.labels(m).observe(gap)
             self._gaps.observe(gap, per_seq - 1)
 
+    def request_aborted(self, prompt_tokens: int, generated: int) -> None:
+        """One engine request stopped by its client before it finished (a disconnect, a cancel, a stop):
+        counted as finished_reason "abort", its lengths as far as it got."""
+        m = self._model
+        self.success.labels(m, "abort").inc()
+        self.prompt_len.labels(m).observe(prompt_tokens)
+        self.generation_len.labels(m).observe(generated)
+
     def render(self) -> web.Response:
         # Every per-model series is exported from the start, at zero, as vLLM does: a scraper (or a
         # router comparing replicas) sees a replica that has served nothing as 0, not as missing.

@@ -64,8 +64,11 @@ class Generation:
         self._finished: set[int] = set()          # choices whose finish_reason went out
         self._started: set[int] = set()           # prompts whose first token went out
         self._generated: dict[int, int] = {}      # prompt -> tokens sampled, as counted in the metrics
-        self._on_finish = on_finish               # called once, when every request has finished
+        self._on_finish = on_finish               # called once, when every request has finished (or was stopped)
         self._closed = False
+        self._accepted = False                    # the engine admitted every request (else none ran)
+        self._cached: dict[int, int] = {}         # prompt -> prompt tokens served from the cache, as last told
+        self._done: set[int] = set()              # prompts whose engine request finished (counted in the metrics)
         self._echo = echo                         # per prompt, its text, put before each of its choices
         self._echoed: set[int] = set()            # choices whose first delta carried the prompt
 
@@ -92,6 +95,7 @@ class Generation:
                 self._prompt_of[rid] = i
             assert self._stream is not None
             await self._stream.accepted()
+            self._accepted = True
         except BaseException:
             self.close()
             raise
@@ -113,6 +117,7 @@ class Generation:
     def _deltas(self, out: RequestOutput) -> list[ChoiceDelta]:
         prompt = self._prompt_of[out.request_id]
         self._generated[prompt] = self._metrics.progress(out, self._generated.get(prompt, 0))
+        self._cached[prompt] = out.num_cached_tokens
         if prompt not in self._started and out.num_generated_tokens:
             self._started.add(prompt)
             self._metrics.first_token(out)
@@ -135,6 +140,7 @@ class Generation:
             deltas.append(d)
         if out.finished:
             self._open -= 1
+            self._done.add(prompt)
             self.usage.cached_tokens += out.num_cached_tokens
             self._metrics.request_finished(out, self._params.best_of or self.n)
             for j in range(self.n):          # every choice of a finished request ends, told or not
@@ -155,7 +161,18 @@ class Generation:
         return acc
 
     def close(self) -> None:
-        """Aborts whatever still runs (idempotent); a consumer in `events` stops there."""
+        """Aborts whatever still runs (idempotent); a consumer in `events` stops there. Requests stopped here
+        (their client went away or cancelled) are counted as what they are: aborted, with the cached prompt
+        tokens and the tokens generated that their client was told of (usage, the access log, the metrics)."""
+        if self._closed:
+            return
         self._closed = True
         if self._stream is not None:
             self._stream.abort()
+        stopped = [p for p in range(len(self.prompts)) if p not in self._done] if self._accepted else []
+        for prompt in stopped:
+            self._done.add(prompt)
+            self.usage.cached_tokens += self._cached.get(prompt, 0)
+            self._metrics.request_aborted(len(self.prompts[prompt]), self._generated.get(prompt, 0))
+        if stopped and self._on_finish is not None:
+            self._on_finish(self.usage)
