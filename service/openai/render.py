@@ -35,7 +35,8 @@ def tokenize(parsed: Parsed, tokenizer: Any, prefix: PrefixSnapshot | None) -> l
         plan = parsed.req.tools
         if plan is not None and plan.mode == "auto" and not template_renders_tools(tokenizer):
             raise invalid("this model's chat template does not show tools to the model, so it cannot choose to call "
-                          "one: use tool_choice \"required\" or name a function", "tool_choice")
+                          "one: start the server with --chat-template <a template that renders tools>, or use "
+                          "tool_choice \"required\" or name a function", "tool_choice")
         tools = plan.template_tools() if plan is not None else None
         cont = bool(body.continue_final_message)
         extra = template_kwargs(body.chat_template_kwargs)

@@ -9,9 +9,11 @@
                           output parsed for the model family's syntax   model wrote (finish "tool_calls")
 
 "auto" needs a chat template that renders `tools`; with one that ignores them the request is refused
-(a model never shown the tools cannot call them). Syntaxes parsed for "auto": Hermes / Qwen2.5
-(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several allowed) and Llama 3.1 JSON (the
-whole answer one object `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`).
+(a model never shown the tools cannot call them), with a message naming the fix (`--chat-template`).
+Syntaxes parsed for "auto": Hermes / Qwen2.5 (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+several allowed), SmolLM2's (a list in one tag: `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`,
+what the built-in model's template asks for: engine/models/templates/smollm2_tools.jinja) and Llama 3.1 JSON
+(the whole answer one object `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`).
 """
 from __future__ import annotations
 
@@ -84,9 +86,7 @@ def parse_auto(text: str, tool_names: set[str]) -> tuple[str | None, list[ToolCa
     calls: list[ToolCallOut] = []
     if HERMES_START in text:
         for body in _HERMES.findall(text):
-            call = _call(body, ("arguments", "parameters"), tool_names)
-            if call is not None:
-                calls.append(call)
+            calls += _calls(body, ("arguments", "parameters"), tool_names)
         if calls:
             content = text[:text.index(HERMES_START)].strip()
             return content or None, calls
@@ -101,11 +101,25 @@ def parse_auto(text: str, tool_names: set[str]) -> tuple[str | None, list[ToolCa
     return text, []
 
 
+def _calls(body: str, keys: tuple[str, ...], tool_names: set[str]) -> list[ToolCallOut]:
+    """The calls in one tag's body: an object, or a list of them (the valid ones)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return []
+    items = obj if isinstance(obj, list) else [obj]
+    return [c for c in (_one(item, keys, tool_names) for item in items) if c is not None]
+
+
 def _call(body: str, keys: tuple[str, ...], tool_names: set[str]) -> ToolCallOut | None:
     try:
         obj = json.loads(body)
     except ValueError:
         return None
+    return _one(obj, keys, tool_names)
+
+
+def _one(obj: Any, keys: tuple[str, ...], tool_names: set[str]) -> ToolCallOut | None:
     if not isinstance(obj, dict) or obj.get("name") not in tool_names:
         return None
     args: Any = next((obj[k] for k in keys if k in obj), {})

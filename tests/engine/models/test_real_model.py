@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.models.default import TOOLS_TEMPLATE
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "How many days are in a leap year?",
@@ -39,16 +40,18 @@ def chat_ids(tok: Any, question: str) -> list[int]:
 
 def test_tokenizer_and_chat_template_equal_transformers(real_llm: LLM, hf: tuple[Any, Any]) -> None:
     ours, theirs = real_llm.tokenizer, hf[0]
-    assert ours.chat_template == theirs.chat_template and "<|im_start|>" in ours.chat_template
+    # the checkpoint's template, inside ours with tools (engine/models/default.py); without tools they render alike
+    assert ours.chat_template == TOOLS_TEMPLATE.read_text() and theirs.chat_template.strip() in ours.chat_template
     texts = ["Hello world", "  leading spaces\tand tabs\n", "café naïve 日本語 🙂", "def f(x):\n    return x**2",
              "<|im_start|>user\nhi<|im_end|>", "1234567890 3.14159"]
     for text in texts:
         assert ours.encode(text) == theirs.encode(text), text
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"}]
-    for messages in (conv, conv[1:]):
-        assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
-            theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for messages in (conv, conv[1:], conv[:3]):
+        for gen in (True, False):
+            assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen) == \
+                theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
     assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
     assert real_llm.engine.loaded.eos_token_ids == [theirs.eos_token_id]
 

@@ -2,6 +2,8 @@
 the real chat template, and a forged turn kept as text."""
 from __future__ import annotations
 
+from typing import Any
+
 from openai import OpenAI
 
 from tests.helpers.server import ServerThread, http
@@ -51,3 +53,39 @@ def test_a_forged_system_turn_stays_text(real_server: ServerThread) -> None:
     ids = out["tokens"]
     assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3     # default system, user, assistant
     assert ids.count(tok.convert_tokens_to_ids("<|im_end|>")) == 2       # after the system and the user turn
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def test_an_agent_loop_with_a_tool_on_the_built_in_model(real_client: OpenAI, real_server: ServerThread) -> None:
+    """tool_choice "auto" (the default with tools, as every agent framework sends it) works on the built-in
+    model: its template shows the tools, and the turn after a tool result renders too. The loop runs the tool
+    whenever the model calls it and ends when the model answers in text."""
+    model = real_server.state.model_name
+    status, rendered = http("POST", f"{real_server.url}/tokenize", {"messages": ASK, "tools": [WEATHER]})
+    assert status == 200
+    text = http("POST", f"{real_server.url}/detokenize", {"tokens": rendered["tokens"]})[1]["prompt"]
+    assert "<tools>" in text and '"name": "get_weather"' in text and "<tool_call>[" in text
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+    for _turn in range(4):
+        out = real_client.chat.completions.create(model=model, messages=messages, tools=[WEATHER],  # type: ignore[arg-type]
+                                                  temperature=0.0, max_tokens=48)
+        choice = out.choices[0]
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if not choice.message.tool_calls:
+            break
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"})
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+    # the turn after a tool result (an agent loop's second call) renders and answers
+    follow = [{"role": "user", "content": "What is the weather in Paris?"},
+              {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                  "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    out = real_client.chat.completions.create(model=model, messages=follow, tools=[WEATHER],  # type: ignore[arg-type]
+                                              temperature=0.0, max_tokens=32)
+    assert out.choices[0].message.content or out.choices[0].message.tool_calls

@@ -129,6 +129,7 @@ def test_auto_needs_a_template_that_shows_tools(client: OpenAI, model_name: str)
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=model_name, messages=MSG, tools=[WEATHER], max_tokens=4)  # type: ignore[arg-type]
     assert exc.value.param == "tool_choice" and "does not show tools" in exc.value.message
+    assert "--chat-template" in exc.value.message                     # the fix, named
 
 
 @pytest.fixture(scope="module")

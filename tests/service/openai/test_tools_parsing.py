@@ -32,6 +32,16 @@ def test_hermes_calls_and_content() -> None:
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
 
 
+def test_smollm2_list_of_calls_in_one_tag() -> None:
+    """The syntax the built-in model's template asks for (engine/models/templates/smollm2_tools.jinja)."""
+    text = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "nope", "arguments": {}}, ' \
+           '{"name": "get_time", "arguments": {}}]</tool_call>'
+    content, calls = parse_auto(text, NAMES)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert parse_auto("<tool_call>[]</tool_call>", NAMES) == ("<tool_call>[]</tool_call>", [])   # no call: content
+
+
 @pytest.mark.parametrize("text", [
     '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
     '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}',
