@@ -22,7 +22,7 @@ from service.config import ServiceConfig
 from service.errors import error_middleware
 from service.middleware import access_log, auth, cross_site, security_headers
 from service.middleware.metrics import METRICS, Metrics, metrics_middleware
-from service.openai import chat, completions
+from service.openai import chat, completions, responses
 from service.routes import openapi, prefixes, status, tokens, websocket, worker_api
 from service.state import STATE, ServiceState
 
@@ -52,6 +52,7 @@ def create_app(config: ServiceConfig) -> web.Application:
     prefixes.setup(app)
     app.router.add_post("/v1/completions", completions.create_completion)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
+    responses.setup(app)
     app.router.add_get("/v1/models", status.list_models)
     app.router.add_get("/v1/models/{model}", status.get_model)
     app.router.add_get("/version", status.version)

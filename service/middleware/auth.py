@@ -96,6 +96,12 @@ def _presented(request: web.Request) -> str | None:
     return None
 
 
+def presented_key(request: web.Request) -> str | None:
+    """The key this request presented, when keys are configured (None without keys: everyone is one caller).
+    What owns per-caller state such as stored responses."""
+    return _presented(request) if request.app[KEYS].enabled else None
+
+
 def _route(request: web.Request) -> str | None:
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else None

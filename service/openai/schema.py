@@ -267,6 +267,69 @@ class ChatCompletionRequest(_Sampling):
     prediction: dict[str, Any] | None = None
 
 
+# The Responses API's request (service/openai/responses.py translates it into a chat request).
+MAX_INPUT_ITEMS = 2048
+
+
+class ResponseFunctionTool(_Strict):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFunctionChoice(_Strict):
+    type: Literal["function"]
+    name: NonEmptyStr
+
+
+class ResponseTextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+
+class ResponseTextConfig(_Strict):
+    format: ResponseTextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None       # no effect
+
+
+class ResponsesRequest(_Strict):
+    model: str | None = None
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_INPUT_ITEMS)]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: Annotated[list[ResponseFunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    temperature: Annotated[float, bounds("temperature")] | None = None
+    top_p: Annotated[float, bounds("top_p")] | None = None
+    max_output_tokens: Annotated[int, bounds("max_tokens")] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    store: bool | None = None
+    text: ResponseTextConfig | None = None
+    seed: Annotated[int, bounds("seed")] | None = None              # vLLM's extension, as on chat
+    prefix: str | None = None                                        # ours: a named prefix first
+    background: Literal[False] | None = None                         # no background mode here
+    # accepted, no effect here (service/openai/schema.py NO_EFFECT)
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA)] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
+
+
 NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"     # no "." or ".." alone, no trailing newline
 MAX_DESCRIPTION = 4096
 

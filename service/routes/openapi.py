@@ -18,7 +18,8 @@ from service.routes import worker_api
 from service.state import STATE
 
 _REF = "#/components/schemas/{model}"
-_MODELS: list[type[BaseModel]] = [schema.CompletionRequest, schema.ChatCompletionRequest, schema.PrefixRequest,
+_MODELS: list[type[BaseModel]] = [schema.CompletionRequest, schema.ChatCompletionRequest, schema.ResponsesRequest,
+                                  schema.PrefixRequest,
                                   schema.TokenizeCompletion, schema.TokenizeChat, schema.DetokenizeRequest]
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -84,6 +85,17 @@ def spec(model: str, max_choices: int, max_model_len: int | None, version: str =
         "paths": {
             "/v1/completions": _generation("Text completion", "CompletionRequest"),
             "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
+            "/v1/responses": {"post": {
+                "summary": "Responses API: a model response (text or tool calls), streamed as its events or whole",
+                "requestBody": _body("ResponsesRequest"),
+                "responses": {"200": _answer("the response, or its events (text/event-stream)"),
+                              **_errors(400, 404, 408, 413, 429, 503)}}},
+            "/v1/responses/{response_id}": {
+                "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "get": {"summary": "A stored response (only with the key that created it)",
+                        "responses": {"200": _answer("the response"), **_errors(404, 503)}},
+                "delete": {"summary": "Delete a stored response",
+                           "responses": {"200": _answer("deleted"), **_errors(404, 503)}}},
             "/v1/models": _get("The served model", "application/json", 503),
             "/v1/models/{model}": {
                 "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],

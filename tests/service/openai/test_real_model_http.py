@@ -2,8 +2,10 @@
 the real chat template, and a forged turn kept as text."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import pytest
 from openai import OpenAI
 
 from tests.helpers.server import ServerThread, http
@@ -89,3 +91,35 @@ def test_an_agent_loop_with_a_tool_on_the_built_in_model(real_client: OpenAI, re
     out = real_client.chat.completions.create(model=model, messages=follow, tools=[WEATHER],  # type: ignore[arg-type]
                                               temperature=0.0, max_tokens=32)
     assert out.choices[0].message.content or out.choices[0].message.tool_calls
+
+
+def test_the_agents_sdk_runs_a_one_tool_agent(real_server: ServerThread) -> None:
+    """The OpenAI Agents SDK, on both its Responses model (its default) and its chat-completions model: a
+    one-tool agent made to call its tool first (then free to answer), to the end of its run."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather of a city."""
+        calls.append(city)
+        return f"18 C and sunny in {city}"
+
+    name = real_server.state.model_name
+
+    async def run() -> None:
+        client = AsyncOpenAI(base_url=f"{real_server.url}/v1", api_key="unused", max_retries=0)
+        for model in (agents.OpenAIResponsesModel(model=name, openai_client=client),
+                      agents.OpenAIChatCompletionsModel(model=name, openai_client=client)):
+            calls.clear()
+            settings = agents.ModelSettings(tool_choice="required", max_tokens=48, temperature=0.0)
+            agent = agents.Agent(name="weather", instructions="Answer in one sentence.", tools=[get_weather],
+                                 model=model, model_settings=settings)
+            result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+            assert calls, type(model).__name__           # the tool ran, its output went back to the model
+            assert isinstance(result.final_output, str) and result.final_output, type(model).__name__
+        await client.close()
+
+    asyncio.run(run())
