@@ -86,6 +86,24 @@ def test_seeded_sampling_independent_of_batch(tiny_llama_dir: Path) -> None:
     assert other[0].outputs[0].token_ids != alone
 
 
+def test_seeded_sampling_independent_of_cache_state_and_preemption(tiny_llama_dir: Path) -> None:
+    """The same seeded request gives the same tokens cold, with its prompt cached, and when it is preempted
+    (its KV dropped and recomputed) under a cache too small for the crowd beside it."""
+    p = toks(30, 11)
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    roomy = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=256)
+    cold = roomy.generate([p], seeded)[0]
+    warm = roomy.generate([p], seeded)[0]
+    assert cold.num_cached_tokens == 0 and warm.num_cached_tokens >= 24
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    tight = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=30, max_num_batched_tokens=32)
+    crowd = [toks(20, 70 + i) for i in range(4)]
+    others = [SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)]
+    out = tight.generate(crowd + [p], others + [seeded])      # the youngest: the first to be preempted
+    assert tight.stats().preemptions_total > 0, "the cache was meant to be small enough to force preemption"
+    assert out[-1].outputs[0].token_ids == cold.outputs[0].token_ids
+
+
 def test_stop_string_cut_and_deltas_match_text(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=128)
     p = toks(8, 11)
