@@ -295,6 +295,9 @@ class PrefixRegistry:
             "num_pinned_blocks": entry.pinned_blocks if entry else 0, "block_hashes": record.block_hashes,
             "model": self.engine.model_name, "fingerprint": record.fingerprint, "created_at": int(record.created_at),
             "description": record.description, "source": record.source, "loaded": loaded,
+            # what it was registered from (not secret: the source itself is admin-only): chat can only name a
+            # prefix registered with messages
+            "kind": "messages" if record.source.get("messages") is not None else "prompt",
             "hit_requests": entry.hit_requests if entry else 0, "tokens_saved": entry.tokens_saved if entry else 0,
         }
 

@@ -29,6 +29,54 @@ function addMessage(role, text) {
   return el;
 }
 
+// Markdown, safely: the model's text only ever becomes text nodes (never HTML), inside the few elements
+// built here: fenced code blocks, paragraphs, bullet lists, `code`, **bold** and *italic*.
+function inline(parent, text) {
+  const re = /(`[^`\n]+`|\*\*[^*\n]+\*\*|\*[^*\n]+\*)/g;
+  let at = 0;
+  for (const m of text.matchAll(re)) {
+    if (m.index > at) parent.appendChild(document.createTextNode(text.slice(at, m.index)));
+    const tok = m[0];
+    const [tag, inner] = tok.startsWith("`") ? ["code", tok.slice(1, -1)]
+      : tok.startsWith("**") ? ["strong", tok.slice(2, -2)] : ["em", tok.slice(1, -1)];
+    const el = document.createElement(tag);
+    el.textContent = inner;
+    parent.appendChild(el);
+    at = m.index + tok.length;
+  }
+  if (at < text.length) parent.appendChild(document.createTextNode(text.slice(at)));
+}
+
+function renderMarkdown(target, text) {
+  const frag = document.createDocumentFragment();
+  const parts = text.split(/^```[^\n]*\n?/m);          // even: prose, odd: code (an open fence streams as code)
+  parts.forEach((part, i) => {
+    if (i % 2 === 1) {
+      const pre = document.createElement("pre");
+      const code = document.createElement("code");
+      code.textContent = part.replace(/\n$/, "");
+      pre.appendChild(code);
+      frag.appendChild(pre);
+      return;
+    }
+    for (const block of part.split(/\n{2,}/)) {
+      if (!block.trim()) continue;
+      const lines = block.replace(/^\n+|\n+$/g, "").split("\n");
+      if (lines.every((l) => /^\s*[-*] /.test(l))) {
+        const ul = document.createElement("ul");
+        for (const l of lines) { const li = document.createElement("li"); inline(li, l.replace(/^\s*[-*] /, "")); ul.appendChild(li); }
+        frag.appendChild(ul);
+      } else {
+        const p = document.createElement("p");
+        lines.forEach((l, j) => { if (j) p.appendChild(document.createElement("br")); inline(p, l); });
+        frag.appendChild(p);
+      }
+    }
+  });
+  target.replaceChildren(frag);
+}
+window.markdownHTML = (text) => { const d = document.createElement("div"); renderMarkdown(d, text); return d.innerHTML; };
+
 function showStats(g, usage) {
   const now = performance.now();
   if (g.tFirst !== null) $("ttft").textContent = (g.tFirst - g.t0).toFixed(0) + " ms";
@@ -43,20 +91,31 @@ function onDelta(g, text, nTokens) {
   if (g.tFirst === null) g.tFirst = performance.now();
   g.tokens += nTokens;
   g.text += text;
-  g.view.querySelector(".body").textContent = g.text;
+  renderMarkdown(g.view.querySelector(".body"), g.text);
   $("log").scrollTop = $("log").scrollHeight;
   showStats(g, null);
 }
 
-function finish(g, usage, error) {
+function finish(g, usage, error, reason) {
   if (current !== g) return;
   current = null;
   g.view.classList.remove("streaming");
   if (error) {
+    // an error is the server's, not the model's: its own bubble, and the question that failed is not sent
+    // again with the next one (it stays on screen, marked)
     g.view.className = "msg error";
+    g.view.querySelector(".who").textContent = "error";
     g.view.querySelector(".body").textContent = error;
+    if (history.length && history[history.length - 1].role === "user") history.pop();
+    if (g.question) g.question.classList.add("failed");
   } else if (g.text) {
     history.push({ role: "assistant", content: g.text });
+    if (reason === "length") {                   // cut, not finished: say so
+      const note = document.createElement("span");
+      note.className = "cut";
+      note.textContent = "cut at max tokens";
+      g.view.appendChild(note);
+    }
   } else {
     // stopped (or ended) before the first token: no empty bubble, and the question is not sent again
     g.view.remove();
@@ -94,7 +153,7 @@ function connect() {
       const h = pending.get(m.id);
       if (!h) return;
       if (m.type === "delta") h.delta(m.text, m.token_ids.length);
-      else { pending.delete(m.id); m.type === "done" ? h.done(m.usage) : h.error(m.error.message); }
+      else { pending.delete(m.id); m.type === "done" ? h.done(m.usage, m.finish_reason) : h.error(m.error.message); }
     };
   });
 }
@@ -102,7 +161,8 @@ function connect() {
 async function viaWebSocket(g, body) {
   const ws = await connect();
   const id = nextId++;
-  pending.set(id, { delta: (t, n) => onDelta(g, t, n), done: (u) => finish(g, u, null), error: (e) => finish(g, null, e) });
+  pending.set(id, { delta: (t, n) => onDelta(g, t, n), done: (u, r) => finish(g, u, null, r),
+                    error: (e) => finish(g, null, e) });
   g.stop = () => ws.send(JSON.stringify({ type: "cancel", id }));
   const { stream, ...fields } = body;
   ws.send(JSON.stringify({ type: "generate", id, ...fields }));
@@ -112,6 +172,7 @@ async function viaSSE(g, body) {
   const abort = new AbortController();
   g.stop = () => abort.abort();
   let usage = null;
+  let reason = null;
   try {
     const resp = await fetch("/v1/chat/completions", authed({
       method: "POST", headers: { "Content-Type": "application/json" }, signal: abort.signal,
@@ -133,10 +194,13 @@ async function viaSSE(g, body) {
         const chunk = JSON.parse(event.slice(6));
         if (chunk.error) throw new Error(chunk.error.message);
         if (chunk.usage) usage = chunk.usage;
-        for (const c of chunk.choices) onDelta(g, c.delta.content || "", (c.token_ids || []).length);
+        for (const c of chunk.choices) {
+          onDelta(g, c.delta.content || "", (c.token_ids || []).length);
+          if (c.finish_reason) reason = c.finish_reason;
+        }
       }
     }
-    finish(g, usage, null);
+    finish(g, usage, null, reason);
   } catch (err) {
     if (abort.signal.aborted) finish(g, usage, null); else finish(g, null, err.message);
   }
@@ -147,10 +211,13 @@ async function send(ev) {
   const text = $("prompt").value.trim();
   if (!text || current) return;
   history.push({ role: "user", content: text });
-  addMessage("user", text);
+  const question = addMessage("user", text);
   $("prompt").value = "";
-  const messages = ($("system").value.trim() ? [{ role: "system", content: $("system").value.trim() }] : []).concat(history);
-  const g = { t0: performance.now(), tFirst: null, tokens: 0, text: "", stop: () => {}, view: addMessage("assistant", "") };
+  // a chosen prefix supplies the system turn: the free system field is off then (see syncSystem)
+  const system = !$("prefix").value && $("system").value.trim();
+  const messages = (system ? [{ role: "system", content: system }] : []).concat(history);
+  const g = { t0: performance.now(), tFirst: null, tokens: 0, text: "", stop: () => {}, question,
+              view: addMessage("assistant", "") };
   g.view.classList.add("streaming");
   current = g;
   $("send").disabled = true;
@@ -170,6 +237,7 @@ async function init() {
   // the prefix list follows the registry: reloaded when the page or the list gets focus
   window.addEventListener("focus", loadPrefixes);
   $("prefix").addEventListener("focus", loadPrefixes);
+  $("prefix").addEventListener("change", syncSystem);
   $("clear").addEventListener("click", () => { history.length = 0; $("log").textContent = ""; });
   for (let i = 0; i < 600; i++) {
     const health = await fetch("/health").then((r) => r.json()).catch(() => ({ status: "down" }));
@@ -206,11 +274,20 @@ async function loadModel() {
   await loadPrefixes();
 }
 
-// The prefix dropdown: registered prefixes loaded (pinned) on this replica, from GET /v1/prefixes.
-// Records of another model are listed by the API as not loaded; they cannot be used here.
+// With a prefix chosen, the prefix is the system turn: the free system field is disabled (and not sent).
+function syncSystem() {
+  const on = Boolean($("prefix").value);
+  $("system").disabled = on;
+  $("system").title = on ? "the chosen prefix supplies the system prompt" : "";
+}
+
+// The prefix dropdown: registered prefixes chat can use on this replica, from GET /v1/prefixes: loaded
+// (records of another model are listed as not loaded) and registered with messages (a prompt prefix is
+// for completions: a chat request naming it is refused).
 async function loadPrefixes() {
   const listing = await fetch("/v1/prefixes", authed()).then((r) => (r.ok ? r.json() : null)).catch(() => null);
-  const loaded = listing && Array.isArray(listing.data) ? listing.data.filter((p) => p.loaded !== false) : [];
+  const loaded = listing && Array.isArray(listing.data)
+    ? listing.data.filter((p) => p.loaded !== false && p.kind !== "prompt") : [];
   const select = $("prefix");
   const key = loaded.map((p) => p.name + ":" + p.num_tokens).join(",");
   if (select.dataset.key === key) return;      // unchanged: leave an open list alone
@@ -224,6 +301,7 @@ async function loadPrefixes() {
   }
   if (loaded.some((p) => p.name === chosen)) select.value = chosen;
   $("prefix-label").hidden = loaded.length === 0;
+  syncSystem();
 }
 
 init();

@@ -1,6 +1,7 @@
 """Headless Chromium (Debian's, driven by Playwright) opens the demo page and watches text stream in."""
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -197,3 +198,61 @@ def test_stop_before_the_first_token_leaves_no_trace(browser, slow_server: Serve
     assert not errors, errors
     assert _ask(page, "and now?").strip()                    # the page goes on
     page.close()
+
+
+def test_errors_cuts_prefixes_and_markdown(browser, slow_server: ServerThread) -> None:
+    """Issue 26's demo-page faults: an error is an error (not an assistant turn, and its question is not sent
+    again), an answer cut at max tokens says so, the prefix list holds only what chat can use and a chosen
+    prefix turns the system field off, and markdown renders without letting the model's text become HTML."""
+    server = slow_server
+    chat_prefix = {"name": "demo-chat", "messages": [{"role": "system", "content": "Be brief. " * 8}]}
+    prompt_prefix = {"name": "demo-prompt", "prompt": "Once upon a time " * 8}
+    for body in (chat_prefix, prompt_prefix):
+        assert requests.post(f"{server.url}/v1/prefixes", json=body, timeout=60).status_code in (200, 201)
+    page, errors = _open(browser, server.url)
+    try:
+        page.wait_for_function("() => !document.getElementById('prefix-label').hidden", timeout=20_000)
+        listed = page.eval_on_selector_all("#prefix option", "os => os.map(o => o.value)")
+        assert "demo-chat" in listed and "demo-prompt" not in listed
+        page.select_option("#prefix", "demo-chat")
+        assert page.is_disabled("#system")
+        page.select_option("#prefix", "")
+        assert page.is_enabled("#system")
+        page.select_option("#prefix", "demo-chat")
+        requests.delete(f"{server.url}/v1/prefixes/demo-chat", timeout=30)   # gone under the page: a 404
+
+        bodies: list[dict] = []
+        page.on("request", lambda r: bodies.append(json.loads(r.post_data or "{}"))
+                if r.url.endswith("/v1/chat/completions") else None)
+        page.select_option("#transport", "sse")
+        page.fill("#prompt", "first question")
+        page.click("#send")
+        page.wait_for_function("() => document.querySelector('.msg.error') && "
+                               "!document.getElementById('send').disabled", timeout=30_000)
+        assert page.inner_text(".msg.error .who").lower() == "error"
+        assert page.locator(".msg.assistant").count() == 0
+        assert "failed" in (page.get_attribute(".msg.user", "class") or "")
+        assert errors and all("404" in e for e in errors)     # the browser logs the failed fetch; nothing else
+        errors.clear()
+        page.select_option("#prefix", "")
+        page.fill("#max-tokens", "3")
+        page.fill("#temperature", "0")
+        page.fill("#prompt", "second question")
+        page.click("#send")
+        page.wait_for_function("() => document.querySelectorAll('.msg.assistant').length === 1 && "
+                               "!document.getElementById('send').disabled", timeout=30_000)
+        sent = [m["content"] for m in bodies[-1]["messages"]]
+        assert sent == ["second question"]                   # the failed one was not sent again
+        ntok = int(page.inner_text("#ntok"))
+        assert (page.locator(".msg.assistant .cut").count() == 1) == (ntok == 3)   # cut at max tokens: said
+
+        html = page.evaluate("markdownHTML('<img src=x onerror=alert(1)> **bold** and `code`\\n\\n- a\\n- b\\n"
+                             "```\\n<script>x()</script>\\n```')")
+        assert "<img" not in html and "<script>" not in html and "&lt;img" in html and "&lt;script&gt;" in html
+        assert "<strong>bold</strong>" in html and "<code>code</code>" in html and "<li>a</li>" in html
+        assert "<pre><code>" in html
+        assert not errors, errors
+    finally:
+        page.close()
+        for name in ("demo-chat", "demo-prompt"):
+            requests.delete(f"{server.url}/v1/prefixes/{name}", timeout=30)
