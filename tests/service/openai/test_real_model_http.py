@@ -123,3 +123,46 @@ def test_the_agents_sdk_runs_a_one_tool_agent(real_server: ServerThread) -> None
         await client.close()
 
     asyncio.run(run())
+
+
+def test_langchain_openai(real_server: ServerThread) -> None:
+    """langchain-openai's ChatOpenAI as an application uses it: invoke, stream, structured output, and a
+    bind_tools loop (a forced call, the tool run, its result sent back, a text answer); the cache read shows
+    in its usage metadata."""
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from pydantic import BaseModel
+
+    llm = lc.ChatOpenAI(base_url=f"{real_server.url}/v1", api_key="unused", model=real_server.state.model_name,
+                        temperature=0.0, max_tokens=24, max_retries=0)
+    first = llm.invoke("What is the capital of France?")
+    assert "Paris" in first.content
+    again = llm.invoke("What is the capital of France?")
+    assert again.usage_metadata["input_token_details"].get("cache_read", 0) >= 16   # the prompt, from the cache
+    chunks = list(llm.stream("Name three colours."))
+    assert len(chunks) >= 3 and "".join(str(c.content) for c in chunks).strip()
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    city = llm.with_structured_output(City, method="json_schema").invoke("Which city is the capital of France?")
+    assert isinstance(city, City) and city.name
+
+    ran: list[str] = []
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather of a city."""
+        ran.append(city)
+        return "18 C and sunny"
+
+    messages: list[Any] = [HumanMessage("What is the weather in Paris?")]
+    ai = llm.bind_tools([get_weather], tool_choice="any").invoke(messages)
+    assert ai.tool_calls and ai.tool_calls[0]["name"] == "get_weather"
+    messages.append(ai)
+    for call in ai.tool_calls:
+        messages.append(ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]))
+    final = llm.bind_tools([get_weather]).invoke(messages)               # auto, after the tool's result
+    assert ran and (final.content or final.tool_calls)
