@@ -30,5 +30,11 @@ if [ ! -x "$DIR/llamacpp/bin/python" ] || ! "$DIR/llamacpp/bin/python" -c "impor
   "$DIR/llamacpp/bin/pip" install -q --upgrade pip
   CMAKE_ARGS="-DGGML_AMX=OFF" "$DIR/llamacpp/bin/pip" install -q --no-cache-dir "llama-cpp-python[server]==0.3.36"
 fi
+# guidellm, a load generator of its own (streaming chat), for the `guidellm` workload
+if [ ! -x "$DIR/guidellm/bin/guidellm" ]; then
+  "$PY" -m venv "$DIR/guidellm"
+  "$DIR/guidellm/bin/pip" install -q "guidellm==0.8.1"
+fi
 echo "vllm:      $DIR/vllm/bin/python"
 echo "llama.cpp: $DIR/llamacpp/bin/python"
+echo "guidellm:  $DIR/guidellm/bin/guidellm"

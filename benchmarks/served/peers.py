@@ -20,6 +20,9 @@ Workloads (greedy; every request generates exactly its max_tokens: `ignore_eos` 
     shared        a 1,024-token system prompt + a 32-token question, 64 out, 32 requests at concurrency 8:
                   TTFT p50 / p90 and output tok/s; `shared_named`: the same with the system prompt
                   registered first as a named prefix (prefixserve only)
+    guidellm      another load generator none of us wrote, streaming: guidellm (its own venv: --guidellm,
+                  or PREFIXSERVE_GUIDELLM), 4 concurrent streams, 24 synthetic requests of 128 in / 32 out:
+                  requests completed (all must), TTFT p50 and output tok/s
     loadgen       a load generator none of us wrote: `vllm bench serve` (from the vLLM venv), random
                   128 in / 64 out, Poisson 2 req/s, 60 requests: req/s, TTFT p50, TPOT p50
 
@@ -72,6 +75,8 @@ FIGURES: dict[str, tuple[str, bool, str]] = {
     "shared_named_ttft_p50_ms": ("same, prefix registered by name: TTFT p50", False, "ms"),
     "shared_named_ttft_p90_ms": ("same, registered: TTFT p90", False, "ms"),
     "shared_named_tok_s": ("same, registered: output tok/s", True, "tok/s"),
+    "guidellm_ttft_p50_ms": ("guidellm, 4 streams, 128 in / 32 out: TTFT p50", False, "ms"),
+    "guidellm_tok_s": ("same: output tok/s", True, "tok/s"),
     "loadgen_req_s": ("`vllm bench serve`, random 128 in / 64 out, 2 req/s: req/s", True, "req/s"),
     "loadgen_ttft_p50_ms": ("same: TTFT p50", False, "ms"),
     "loadgen_tpot_p50_ms": ("same: TPOT p50", False, "ms"),
@@ -369,6 +374,34 @@ def run_loadgen(server: Server, w: Workload, vllm_python: str | None, checkpoint
             "loadgen_tpot_p50_ms": r["median_tpot_ms"]}
 
 
+GUIDELLM_REQUESTS = 24
+
+
+def run_guidellm(server: Server, guidellm: str | None, checkpoint: str) -> dict[str, float]:
+    """guidellm's own client (streaming chat completions) against the server; every request must complete."""
+    if guidellm is None:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "g.json"
+        argv = [guidellm, "run", "--backend", f"kind=openai_http,target={server.url}",
+                "--profile", "kind=concurrent,streams=4",
+                "--constraint", f"kind=max_requests,count={GUIDELLM_REQUESTS}",
+                "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=32",
+                "--tokenizer", f"kind=hf_auto,model={checkpoint}", "--disable-console-interactive",
+                "--output", f"kind=json,path={path}"]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if out.returncode != 0 or not path.is_file():
+            raise RuntimeError(f"guidellm against {server.name} failed: {(out.stdout + out.stderr)[-800:]}")
+        metrics = json.loads(path.read_text())["benchmarks"][0]["metrics"]
+    totals = metrics["request_totals"]
+    if totals["successful"] != GUIDELLM_REQUESTS:
+        raise RuntimeError(f"guidellm against {server.name}: {totals['successful']} of {GUIDELLM_REQUESTS} completed, "
+                           f"{totals['errored']} errors")
+    return {"guidellm_ttft_p50_ms": metrics["time_to_first_token_ms"]["successful"]["median"],
+            "guidellm_tok_s": metrics["output_tokens_per_second"]["successful"]["mean"]}
+
+
 def run_system(server: Server, w: Workload, args: argparse.Namespace, vllm_python: str | None, checkpoint: str,
                log_dir: Path, name: str) -> dict[str, Any]:
     """Starts the server, warms it (2 short requests), runs every workload, stops it."""
@@ -392,6 +425,8 @@ def run_system(server: Server, w: Workload, args: argparse.Namespace, vllm_pytho
                                                            "which llama-cpp-python's server refuses (400)")
         else:
             steps.append(("loadgen", lambda: run_loadgen(server, w, vllm_python, checkpoint, args.loadgen_prompts)))
+        if server.name != "llama.cpp":       # one request at a time there (its server queues them)
+            steps.append(("guidellm", lambda: run_guidellm(server, args.guidellm, checkpoint)))
         for step, fn in steps:
             if step not in args.workloads:
                 continue
@@ -444,7 +479,11 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench peers") -
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    ap.add_argument("--workloads", nargs="+", default=["throughput", "single", "shared", "shared_named", "loadgen"])
+    ap.add_argument("--workloads", nargs="+",
+                    default=["throughput", "single", "shared", "shared_named", "loadgen", "guidellm"])
+    ap.add_argument("--guidellm", default=os.environ.get("PREFIXSERVE_GUIDELLM"),
+                    help="guidellm's executable, in its own venv (or PREFIXSERVE_GUIDELLM); no guidellm figures "
+                         "without it")
     ap.add_argument("--vllm-python", default=None, help="the vLLM venv's python (or PREFIXSERVE_PEER_VLLM)")
     ap.add_argument("--llama-cpp-python", default=None, help="llama-cpp-python's venv python "
                                                              "(or PREFIXSERVE_PEER_LLAMA_CPP)")
@@ -471,6 +510,8 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench peers") -
                                                                                  "PREFIXSERVE_PEER_VLLM")[0]
     if "loadgen" in args.workloads and vllm_python is None:
         absent["vllm bench serve"] = "the load generator needs the vLLM venv"
+    if "guidellm" in args.workloads and args.guidellm is None:
+        absent["guidellm"] = "not installed (--guidellm PATH: `pip install guidellm` in a venv of its own)"
     log_dir = Path(tempfile.mkdtemp(prefix="prefixserve-peers-"))
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in servers}
     base = {s: list(servers[s].argv) for s in servers}
