@@ -5,7 +5,7 @@ table, GQA-aware, causal, the products as bf16 dot products (AVX-512 BF16) with 
     q [num_tokens, num_heads, head_dim] float32 -> out, the same shape (rows of the listed sequences)
     key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim] bfloat16, head_dim contiguous
 
-Agreement criterion (tested in tests/kernels/test_cpu_prefill.py):
+Agreement criterion (tested in tests/kernels/cpu/test_cpu_prefill.py):
 - against float64 attention over the same bf16 cache, each output within 0.5% of the largest |V| (the
   kernel rounds q * scale and the softmax weights to bf16; measured 0.07-0.15%);
 - bit for bit the same output for a token however its prompt was cut into chunks, and however much of

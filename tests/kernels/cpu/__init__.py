@@ -1,0 +1,1 @@
+"""The CPU kernels (kernels/cpu/) and the CPU attention backend (kernels/cpu_backend.py)."""
