@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import requests
 from openai import OpenAI
@@ -162,3 +163,13 @@ def test_chat_template_kwargs_on_a_request(client: OpenAI, model_name: str) -> N
     out = client.chat.completions.create(model=model_name, messages=MSG, max_tokens=2,  # type: ignore[arg-type]
                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert out.choices[0].message.role == "assistant"
+
+
+def test_endpoints_this_server_does_not_have_are_a_clean_404(client: OpenAI, model_name: str) -> None:
+    """What a client of the paid API may call and we do not serve: a 404 in the OpenAI error shape, which the
+    SDK raises as NotFoundError (not a parse error on an HTML page)."""
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.embeddings.create(model=model_name, input="hello")
+    assert exc.value.status_code == 404 and isinstance(exc.value.body, dict) and exc.value.body.get("message")
+    with pytest.raises(openai.NotFoundError):
+        client.images.generate(prompt="a cat", model=model_name)
