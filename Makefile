@@ -19,6 +19,14 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# Clients whose dependencies cannot share .venv (litellm pins openai<3, the Agents SDK needs openai>=3): their own
+# venv, driven by the tests in a subprocess (tests/service/openai/test_real_model_http.py)
+CLIENTS := .venv-clients/.installed
+$(CLIENTS): Makefile
+	test -x .venv-clients/bin/python || $(PYTHON) -m venv .venv-clients
+	.venv-clients/bin/python -m pip install -q "litellm>=1.50" mcp   # litellm imports mcp for tool calls
+	touch $(CLIENTS)
+
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
@@ -28,7 +36,7 @@ chromium:
 serve: $(STAMP)
 	$(VENV)/bin/prefixserve serve
 
-test: $(STAMP) redis chromium
+test: $(STAMP) $(CLIENTS) redis chromium
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --durations=10
 
 lint: $(STAMP)
@@ -39,4 +47,4 @@ test-slow: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-clients

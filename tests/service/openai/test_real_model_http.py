@@ -3,6 +3,10 @@ the real chat template, and a forged turn kept as text."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -166,3 +170,21 @@ def test_langchain_openai(real_server: ServerThread) -> None:
         messages.append(ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]))
     final = llm.bind_tools([get_weather]).invoke(messages)               # auto, after the tool's result
     assert ran and (final.content or final.tool_calls)
+
+
+CLIENTS_PYTHON = Path(__file__).resolve().parents[3] / ".venv-clients" / "bin" / "python"
+
+
+def test_litellm(real_server: ServerThread) -> None:
+    """litellm (its own venv: it pins openai<3), as an application uses it: completion, its message object sent
+    back as history, streaming, a forced tool call."""
+    if not CLIENTS_PYTHON.is_file():
+        pytest.skip("no .venv-clients (make test makes it)")
+    script = Path(__file__).resolve().parents[2] / "helpers" / "litellm_client.py"
+    out = subprocess.run([str(CLIENTS_PYTHON), str(script), real_server.url, real_server.state.model_name],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "Paris" in got["text"] and got["second"] and got["streamed"].strip()
+    assert got["tool"] == "get_weather" and got["usage"] > 0
