@@ -229,8 +229,10 @@ class _Sampling(_Strict):
     def _token_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if v is not None:
             for key in v:
-                if not key.isdigit():
-                    raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key!r}")
+                # ASCII digits only ("²" and other Unicode digits pass isdigit() but are no token id), and short
+                # enough to be one (a 5,000-digit key is not)
+                if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                    raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key[:20]!r}")
         return v
 
 

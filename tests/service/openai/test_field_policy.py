@@ -173,3 +173,11 @@ def test_endpoints_this_server_does_not_have_are_a_clean_404(client: OpenAI, mod
     assert exc.value.status_code == 404 and isinstance(exc.value.body, dict) and exc.value.body.get("message")
     with pytest.raises(openai.NotFoundError):
         client.images.generate(prompt="a cat", model=model_name)
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\u0661\u0662", "7" * 5000, "-1", "1.5", ""])
+def test_logit_bias_keys_that_are_no_token_id_are_a_400(server: ServerThread, key: str) -> None:
+    """Issue 24: "²" passed str.isdigit() and then failed int() with a 500; Arabic-Indic digits were taken."""
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "logit_bias": {key: 1.0}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "logit_bias"
