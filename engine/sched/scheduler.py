@@ -111,7 +111,9 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             num_new = min(num_new, room)
-            assert self.manager.grow(seq.seq_id, seq.num_computed + num_new, write_from=seq.num_computed)
+            # NOTE: never inside an assert: `python -O` drops asserts, and the blocks with them
+            if not self.manager.grow(seq.seq_id, seq.num_computed + num_new, write_from=seq.num_computed):
+                raise RuntimeError(f"the block manager refused {num_new} tokens it said it had room for")
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed + num_new == seq.num_tokens))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new

@@ -152,3 +152,20 @@ def test_non_finite_logits_fail_only_their_request(tiny_llama_dir: Path) -> None
     assert done["bad"].error is not None and "non-finite" in done["bad"].error.message  # type: ignore[attr-defined]
     assert all(done[r].error is None for r in ("a", "b"))  # type: ignore[attr-defined]
     assert engine.stats().kv_blocks_used == 0
+
+
+def test_chunked_prefill_under_python_O(tiny_llama_dir: Path) -> None:
+    """Issue 24: a block grow lived inside an `assert`, so under `python -O` chunked prefill ran without its
+    blocks (an IndexError that aborted every request). The same greedy tokens with and without -O."""
+    import subprocess
+    import sys
+    script = ("import sys; from engine import LLM, SamplingParams; "
+              f"llm = LLM({str(tiny_llama_dir)!r}, block_size=4, num_kv_blocks=64, max_num_batched_tokens=8); "
+              "out = llm.generate([list(range(5, 40)), list(range(50, 70))], "
+              "SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)); "
+              "print([o.outputs[0].token_ids for o in out])")
+    runs = [subprocess.run([sys.executable, *flag, "-c", script], capture_output=True, text=True, timeout=300,
+                           cwd=Path(__file__).resolve().parents[2]) for flag in ([], ["-O"])]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-1500:]
+    assert runs[0].stdout.strip().splitlines()[-1] == runs[1].stdout.strip().splitlines()[-1]
