@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -275,6 +276,7 @@ class _Events:
         await self.resp.write(self.frame(kind, **payload))
 
 
+log = logging.getLogger(__name__)
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}   # chat's -> ours
 
 
@@ -373,6 +375,12 @@ async def _stream(request: web.Request, gen: Generation, prepared: Prepared, bod
         await resp.write_eof()
         return resp
     except ConnectionError:
+        return resp
+    except Exception:           # a fault of ours after the headers: the stream still ends, with an error event
+        log.exception("a streamed response failed after its headers were sent")
+        await ev.send("error", code="internal_error", message="internal error while streaming the response",
+                      param=None)
+        await resp.write_eof()
         return resp
     answer = _answer(prepared, ChoiceDelta(0, text, [], finish))
     items: list[dict[str, Any]] = []

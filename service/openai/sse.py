@@ -3,6 +3,7 @@ while a stream is idle, and headers that keep proxies from buffering."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 KEEPALIVE = b": keep-alive\n\n"
+log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 
 
@@ -45,6 +47,13 @@ async def stream(request: web.Request, gen: Generation, chunks: Callable[[Choice
         await resp.write(event(to_api_error(exc).body()))
     except ConnectionError:     # the client went away between two events
         return resp
+    except Exception:           # a fault of ours after the headers: the stream still ends, with an error event
+        log.exception("a streamed answer failed after its headers were sent")
+        try:
+            await resp.write(event({"error": {"message": "internal error while streaming the answer",
+                                              "type": "internal_error", "param": None, "code": "internal_error"}}))
+        except ConnectionError:
+            return resp
     else:
         if usage_chunk is not None:
             usage_chunk["usage"] = gen.usage.as_dict()
