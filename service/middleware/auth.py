@@ -44,7 +44,7 @@ OPEN_ROUTES = frozenset({"/health", "/", "/static"})
 # Registry writes, and flushing the prefix cache (every client's cached prompts: the router's or an operator's
 # call, never a user's: a flush loop turns another client's cached TTFT of 0.16 s into 5.9 s)
 ADMIN_ROUTES = frozenset({("POST", "/v1/prefixes"), ("DELETE", "/v1/prefixes/{name}"), ("POST", "/flush_cache"),
-                          ("POST", "/reset_prefix_cache")})
+                          ("POST", "/reset_prefix_cache"), ("GET", "/get_load")})    # and the replica's load
 
 
 def _digest(key: str) -> bytes:

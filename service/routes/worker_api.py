@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import socket
 import uuid
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -34,6 +36,7 @@ from engine.config import KVEventsConfig
 from engine.sequence import SamplingParams
 from service import __version__
 from service.errors import ApiError
+from service.middleware.auth import is_admin
 from service.openai.params import GenerationRequest
 from service.openai.pipeline import prepare, read_body
 from service.state import STATE
@@ -60,7 +63,7 @@ async def server_info(request: web.Request) -> web.Response:
     # ("duplicate field") when both are present.
     return web.json_response({
         "model_id": state.model_name, "served_model_name": state.model_name, "model_path": _model_path(request),
-        "instance_id": f"{socket.gethostname()}:{state.config.port}", "kv_block_size": engine.block_size,
+        "instance_id": f"{_host(request)}:{state.config.port}", "kv_block_size": engine.block_size,
         "max_model_len": engine.max_model_len, "max_num_seqs": cfg.max_num_seqs,
         "max_num_batched_tokens": cfg.max_num_batched_tokens, "num_kv_blocks": engine.stats().kv_blocks_total,
         "enable_prefix_caching": cfg.enable_prefix_caching, "fingerprint": engine.fingerprint,
@@ -72,7 +75,16 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 def _model_path(request: web.Request) -> str:
-    return str(request.app[STATE].ready_engine().model_path)
+    """The checkpoint's path for an admin (the router, an operator); its file name only for a user key: the
+    host's directory layout is not theirs to read."""
+    path = str(request.app[STATE].ready_engine().model_path)
+    return path if is_admin(request) else Path(path).name
+
+
+def _host(request: web.Request) -> str:
+    """The host name for an admin; for a user key a stable digest of it (still one id per replica)."""
+    name = socket.gethostname()
+    return name if is_admin(request) else "h" + hashlib.sha256(name.encode()).hexdigest()[:12]
 
 
 async def model_info(request: web.Request) -> web.Response:

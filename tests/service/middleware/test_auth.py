@@ -5,6 +5,7 @@ admin-only registry writes and source text, /metrics, and the flags."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -203,3 +204,16 @@ def test_flushing_the_cache_is_for_admins(srv: ServerThread) -> None:
         assert resp.status_code == 403, (path, resp.status_code)
         assert resp.json()["error"]["type"] == "permission_error" or resp.json()["error"]["code"]
         assert requests.post(srv.url + path, headers=bearer(ADMIN), timeout=30).status_code == 200, path
+
+
+def test_a_user_key_does_not_read_the_hosts_layout_or_load(srv: ServerThread) -> None:
+    """Issue 24, item 16: /get_server_info and /get_model_info showed a user the model's absolute path and the
+    host name; /get_load showed everyone the replica's load. Admins (the router, operators) still see them."""
+    import socket
+    for path in ("/get_server_info", "/get_model_info"):
+        user = requests.get(srv.url + path, headers=bearer(USER), timeout=10).json()
+        admin = requests.get(srv.url + path, headers=bearer(ADMIN), timeout=10).json()
+        assert "/" not in user["model_path"] and admin["model_path"].startswith("/")
+        assert socket.gethostname() not in json.dumps(user)
+    assert requests.get(srv.url + "/get_load", headers=bearer(USER), timeout=10).status_code == 403
+    assert requests.get(srv.url + "/get_load", headers=bearer(ADMIN), timeout=10).json()["load"] >= 0
