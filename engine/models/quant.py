@@ -34,7 +34,6 @@ tests/engine/models/test_quant.py and test_real_model.py state the tolerance and
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,7 @@ import torch
 from torch import nn
 
 from engine.config import QUANTIZATIONS
+from kernels.cpu import logits as cpu_logits
 
 GROUP = 32                       # GGUF's block size for Q4_0 / Q4_1 / Q8_0, and our int4 group
 _ACT = torch.bfloat16
@@ -191,16 +191,9 @@ class QuantLogits(nn.Module):
 def _topk(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of each row's k largest logits (which k of equal values: either; only refined ones change).
     On the CPU one pass of kernels/cpu/logits.py (0.3 ms against 1.9-2.9 ms for torch.topk at 64 rows)."""
-    if logits.device.type == "cpu" and logits.stride(-1) == 1 and k <= 64 and _logits_kernel():
-        from kernels.cpu.logits import row_topk
-        return row_topk(logits, k)
+    if logits.device.type == "cpu" and logits.stride(-1) == 1 and k <= cpu_logits.MAX_K and cpu_logits.available():
+        return cpu_logits.row_topk(logits, k)
     return logits.topk(k, dim=-1).indices
-
-
-@functools.cache
-def _logits_kernel() -> bool:
-    from kernels.cpu.logits import available
-    return available()
 
 
 # -- GGUF blocks, nibbles as they are ------------------------------------------------------------------

@@ -12,7 +12,6 @@ cumulative sum cost a few milliseconds and are just as batch-invariant.
 """
 from __future__ import annotations
 
-import functools
 import math
 import secrets
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import torch
 from engine.sample import logits_processors
 from engine.sample.logits_processors import RowContext
 from engine.sequence import SamplingParams
+from kernels.cpu import logits as cpu_logits
 
 _SEED_MASK = (1 << 64) - 1      # torch.Generator.manual_seed takes 64-bit values
 
@@ -43,16 +43,9 @@ class SamplerOutput:
 
 
 def _fused_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(1) != 1 or not _logits_kernel():
+    if logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(1) != 1 or not cpu_logits.available():
         return None
-    from kernels.cpu.logits import row_stats
-    return row_stats(logits)
-
-
-@functools.cache
-def _logits_kernel() -> bool:
-    from kernels.cpu.logits import available
-    return available()
+    return cpu_logits.row_stats(logits)
 
 
 class Sampler:

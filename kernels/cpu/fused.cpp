@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
+#include "bf16_convert.h"
 #include "simd_math.h"
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -20,21 +21,9 @@
 #endif
 
 namespace {
+using namespace prefixserve_bf16;
 
-inline float bf16_to_float(uint16_t x) {
-    uint32_t u = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
 
-inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;   // NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-}
 
 inline bool parallel(int64_t rows, int64_t width) { return rows * width >= 32768; }
 

@@ -14,31 +14,18 @@
 #include <cstring>
 #include <limits>
 #include <omp.h>
+#include "bf16_convert.h"
 #include "simd_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
+using namespace prefixserve_bf16;
 
 constexpr int MAX_K = 64;
 
-inline float bf16_to_float(uint16_t x) {
-    uint32_t u = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) { return bf16_to_float(x); }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(p))), 16));
-}
-#endif
 
 bool g_generic = false;       // tests: run the portable loops even where AVX-512 is there
 

@@ -17,34 +17,21 @@
 #include <cstring>
 #include <vector>
 #include <omp.h>
+#include "bf16_convert.h"
 #include "simd_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
+using namespace prefixserve_bf16;
 
 constexpr int MAX_GROUP = 16;
 constexpr int MAX_HEADS = 64;
 constexpr int MAX_BLOCK = 256;
 constexpr int MAX_MEMBERS = 16;
 
-inline float bf16_to_float(uint16_t x) {
-    uint32_t u = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) { return bf16_to_float(x); }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {   // 16 bfloat16 -> 16 float32 (a bf16 is the top half of a float)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(p))), 16));
-}
-#endif
 
 struct Args {
     const float* q; const void* kc; const void* vc; const int32_t* bt; int64_t bt_stride; const int32_t* lens;
@@ -373,13 +360,6 @@ int dispatch(const Args& a, const int32_t* items, int n_items, const int32_t* me
     }
 }
 
-inline uint16_t float_to_bf16(float f) {     // round to nearest even, as torch's .to(torch.bfloat16)
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;   // NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-}
 
 // The step's new K and V rows into the cache: token i's [Hkv, D] at cache row rows[i] (block * B + offset).
 template <typename KV>

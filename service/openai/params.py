@@ -100,27 +100,30 @@ def _structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredSpe
         if so.grammar is not None:
             raise invalid("structured_outputs.grammar is not supported: use json, regex or choice",
                           "structured_outputs")
-        if so.json_ is not None:
-            schema = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
-            specs.append(StructuredSpec("json_schema", schema, "structured_outputs"))
-        if so.regex is not None:
-            specs.append(StructuredSpec("regex", so.regex, "structured_outputs"))
-        if so.choice is not None:
-            specs.append(StructuredSpec.choice(list(so.choice), "structured_outputs"))
+        specs += _constraints(so.json_, so.regex, so.choice, ("structured_outputs",) * 3)
         if so.json_object:
             specs.append(StructuredSpec("json", param="structured_outputs"))
     if isinstance(req, CompletionRequest):
-        if req.guided_json is not None:
-            schema = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
-            specs.append(StructuredSpec("json_schema", schema, "guided_json"))
-        if req.guided_regex is not None:
-            specs.append(StructuredSpec("regex", req.guided_regex, "guided_regex"))
-        if req.guided_choice is not None:
-            specs.append(StructuredSpec.choice(list(req.guided_choice)))
+        specs += _constraints(req.guided_json, req.guided_regex, req.guided_choice,
+                              ("guided_json", "guided_regex", "guided_choice"))
     if len(specs) > 1:
         raise invalid("give at most one output constraint (response_format, structured_outputs, guided_json, "
                       "guided_regex, guided_choice)", specs[1].param)
     return specs[0] if specs else None
+
+
+def _constraints(schema: dict[str, Any] | str | None, regex: str | None, choice: list[str] | None,
+                 params: tuple[str, str, str]) -> list[StructuredSpec]:
+    """vLLM's json / regex / choice constraints (guided_* or structured_outputs), each named by its param."""
+    specs = []
+    if schema is not None:
+        specs.append(StructuredSpec("json_schema", schema if isinstance(schema, str) else json.dumps(schema),
+                                    params[0]))
+    if regex is not None:
+        specs.append(StructuredSpec("regex", regex, params[1]))
+    if choice is not None:
+        specs.append(StructuredSpec.choice(list(choice), params[2]))
+    return specs
 
 
 def _tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:

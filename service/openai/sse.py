@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.errors import EngineError
-from service.errors import to_api_error
+from service.errors import ApiError, to_api_error
 from service.openai.generation import ChoiceDelta, Generation
 
 SSE_HEADERS = {
@@ -50,8 +50,8 @@ async def stream(request: web.Request, gen: Generation, chunks: Callable[[Choice
     except Exception:           # a fault of ours after the headers: the stream still ends, with an error event
         log.exception("a streamed answer failed after its headers were sent")
         try:
-            await resp.write(event({"error": {"message": "internal error while streaming the answer",
-                                              "type": "internal_error", "param": None, "code": "internal_error"}}))
+            await resp.write(event(ApiError(500, "internal error while streaming the answer", type="internal_error",
+                                            code="internal_error").body()))
         except ConnectionError:
             return resp
     else:
