@@ -41,6 +41,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core import EngineStats
 from engine.errors import EngineDead, EngineError, InvalidRequest
+from engine.kv.block_pool import CacheSalt
 from engine.llm_engine import LLMEngine
 from engine.outputs import PinnedPrefix, RequestOutput
 from engine.sequence import EngineRequest, SamplingParams
@@ -292,7 +293,7 @@ class AsyncEngine:
         for rid in request_ids:
             self._streams.pop(rid, None)
 
-    async def pin_prefix(self, token_ids: list[int]) -> PinnedPrefix:
+    async def pin_prefix(self, token_ids: list[int], salt: CacheSalt = ()) -> PinnedPrefix:
         """Computes (or reuses) the prefix's KV and pins its full blocks; the pins are the caller's once
         this returns. Cancelled at any point, it undoes what it did. Raises PinCapExceeded (nothing
         pinned), InvalidRequest or EngineDead."""
@@ -301,7 +302,7 @@ class AsyncEngine:
         job_id = f"pin-{next(self._pin_ids)}"
         fut: asyncio.Future[PinnedPrefix] = asyncio.get_running_loop().create_future()
         self._pin_futures[job_id] = fut
-        self._send(("pin", job_id, list(token_ids)))
+        self._send(("pin", job_id, list(token_ids), tuple(salt)))
         kept = False
         try:
             result = await fut
@@ -311,9 +312,9 @@ class AsyncEngine:
             self._pin_futures.pop(job_id, None)
             self._send(("release", job_id, kept))
 
-    async def unpin_prefix(self, token_ids: list[int]) -> int:
+    async def unpin_prefix(self, token_ids: list[int], salt: CacheSalt = ()) -> int:
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._send(("unpin", fut, list(token_ids)))
+        self._send(("unpin", fut, list(token_ids), tuple(salt)))
         return await fut
 
     async def reset_prefix_cache(self) -> int:
@@ -413,13 +414,13 @@ class AsyncEngine:
             if out is not None:
                 res.outputs.append(out)
         elif kind == "pin":
-            engine.start_pin(cmd[1], cmd[2])
+            engine.start_pin(cmd[1], cmd[2], cmd[3])
             self._pins_waiting.add(cmd[1])
         elif kind == "release":
             engine.release_pin(cmd[1], keep=cmd[2])
             self._pins_waiting.discard(cmd[1])
         elif kind == "unpin":
-            res.unpins.append((cmd[1], engine.unpin_prefix(cmd[2])))
+            res.unpins.append((cmd[1], engine.unpin_prefix(cmd[2], cmd[3])))
         elif kind == "reset":
             res.unpins.append((cmd[1], engine.core.reset_prefix_cache()))
 

@@ -194,7 +194,8 @@ class EngineCore:
         rid, prompt = request.request_id, request.prompt_token_ids
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use", param="id")
-        hashes = self.manager.block_hashes(prompt) if self.config.enable_prefix_caching else []
+        hashes = self.manager.block_hashes(prompt, salt=request.params.cache_salt) \
+            if self.config.enable_prefix_caching else []
         need = self._blocks_needed(len(prompt), request.max_tokens, request.params)
         pinned_hits = 0                       # leading pinned blocks this prompt would reuse
         if hashes:

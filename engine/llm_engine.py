@@ -15,6 +15,7 @@ import itertools
 from engine.config import EngineConfig
 from engine.core import EngineCore, EngineStats
 from engine.errors import EngineError
+from engine.kv.block_pool import CacheSalt
 from engine.models.loader import LoadedModel
 from engine.output.processor import OutputProcessor
 from engine.outputs import PinnedPrefix, RequestOutput
@@ -71,17 +72,17 @@ class LLMEngine:
         return stashed + self.output.process(out)
 
     # -- prefixes -----------------------------------------------------------------------------
-    def start_pin(self, job_id: str, token_ids: list[int]) -> PinJob:
-        return self.pins.start(job_id, token_ids)
+    def start_pin(self, job_id: str, token_ids: list[int], salt: CacheSalt = ()) -> PinJob:
+        return self.pins.start(job_id, token_ids, salt)
 
     def release_pin(self, job_id: str, keep: bool) -> None:
         self.pins.release(job_id, keep)
 
-    def pin_prefix(self, token_ids: list[int]) -> PinnedPrefix:
+    def pin_prefix(self, token_ids: list[int], salt: CacheSalt = ()) -> PinnedPrefix:
         """Computes the prefix's KV (prefix-cache hits are reused) and pins its full blocks; steps the
         engine until then (other requests' outputs of those steps come with the next `step()`).
         Raises PinCapExceeded (nothing pinned) or InvalidRequest."""
-        job = self.start_pin(f"sync-{next(self._pin_ids)}", token_ids)
+        job = self.start_pin(f"sync-{next(self._pin_ids)}", token_ids, salt)
         while not job.settled:
             self._stash.extend(self.step())
         self.release_pin(job.job_id, keep=True)
@@ -90,8 +91,8 @@ class LLMEngine:
         assert job.result is not None
         return job.result
 
-    def unpin_prefix(self, token_ids: list[int]) -> int:
-        return self.pins.unpin(token_ids)
+    def unpin_prefix(self, token_ids: list[int], salt: CacheSalt = ()) -> int:
+        return self.pins.unpin(token_ids, salt)
 
     def stats(self) -> EngineStats:
         return self.core.stats()

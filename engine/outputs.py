@@ -49,6 +49,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    num_written_tokens: int = 0         # prompt tokens it wrote into the prefix cache (blocks it cached first)
     error: EngineError | None = None    # set when the engine had to end the request itself
     times: RequestTimes | None = None
     num_generated_tokens: int = 0       # every token sampled for the request (all samples and beams)
@@ -76,6 +77,7 @@ class RequestOutput:
         self.outputs.sort(key=lambda o: o.index)
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
+        self.num_written_tokens = delta.num_written_tokens
         self.error = delta.error or self.error
         self.times = delta.times or self.times
         self.num_generated_tokens = delta.num_generated_tokens
@@ -84,8 +86,8 @@ class RequestOutput:
 
     def copy(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_token_ids, [o.copy() for o in self.outputs], self.finished,
-                             self.num_cached_tokens, self.error, self.times, self.num_generated_tokens,
-                             self.prompt_logprobs)
+                             self.num_cached_tokens, self.num_written_tokens, self.error, self.times,
+                             self.num_generated_tokens, self.prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,9 @@ class SamplingParams:
     structured: StructuredSpec | None = None   # constrained decoding (engine/structured.py)
     skip_special_tokens: bool = True    # special tokens (EOS, template markers) left out of the text
     include_stop_str_in_output: bool = False   # the matched stop string ends the text instead of being cut
+    # Not sampling, but carried to every sequence of the request like the rest: what its KV blocks' hashes
+    # mix in (engine/kv/block_pool.CacheSalt), set by the service from the caller, never from the body.
+    cache_salt: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -180,6 +183,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed = 0
         self.num_cached_tokens = -1           # prefix-cache hit at first admission; -1 until admitted
+        self.num_written_tokens = 0           # prompt tokens whose blocks it was the first to cache
         self.block_hashes: list[Any] = []     # full-block hashes of token_ids (BlockHash), grown lazily
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -12,7 +12,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.kv.block_pool import Block, BlockHash, BlockPool, hash_block, root_hash
+from engine.kv.block_pool import Block, BlockHash, BlockPool, CacheSalt, hash_blocks, root_hash
 
 
 @dataclass
@@ -23,6 +23,7 @@ class SeqBlocks:
     hashes: list[BlockHash] = field(default_factory=list)   # chained hashes of the full blocks so far
     num_cached_blocks: int = 0                                # leading blocks already registered in the pool
     computing: list[BlockHash] = field(default_factory=list)  # prompt blocks it computes for the cache (in flight)
+    salt: CacheSalt = ()                                      # mixed into its hashes (block_pool.CacheSalt)
 
 
 class Placement(Protocol):
@@ -63,18 +64,17 @@ class BlockManager:
         self._inflight: dict[BlockHash, int] = {}
 
     # -- hashing ------------------------------------------------------------------------------
-    def block_hashes(self, token_ids: Seq[int], known: list[BlockHash] | None = None) -> list[BlockHash]:
-        """Chained hashes of every full block of `token_ids`, extending `known` (a prefix of them)."""
+    def block_hashes(self, token_ids: Seq[int], known: list[BlockHash] | None = None,
+                     salt: CacheSalt = ()) -> list[BlockHash]:
+        """Chained hashes of every full block of `token_ids`, extending `known` (a prefix of them, hashed
+        with the same `salt`)."""
         out = list(known) if known else []
-        b = self.block_size
-        prev = out[-1] if out else self._root
-        for i in range(len(out) * b, len(token_ids) - b + 1, b):
-            prev = hash_block(prev, token_ids[i:i + b])
-            out.append(prev)
+        out += hash_blocks(self.fingerprint, token_ids, self.block_size, out[-1] if out else self._root,
+                           len(out) * self.block_size, salt)
         return out
 
     # -- admission ----------------------------------------------------------------------------
-    def lookup(self, token_ids: Seq[int], hashes: Seq[BlockHash] | None = None) -> PrefixHit:
+    def lookup(self, token_ids: Seq[int], hashes: Seq[BlockHash] | None = None, salt: CacheSalt = ()) -> PrefixHit:
         """Longest run of cached full blocks that starts the prompt (`hashes`: its full-block hashes,
         if the caller keeps them).
 
@@ -86,7 +86,7 @@ class BlockManager:
         b = self.block_size
         limit = (len(token_ids) - 1) // b
         if hashes is None or len(hashes) < limit:
-            hashes = self.block_hashes(token_ids[:limit * b], list(hashes or []))
+            hashes = self.block_hashes(token_ids[:limit * b], list(hashes or []), salt)
         hits: list[Block] = []
         for i in range(limit):
             block = self.pool.lookup(hashes[i], token_ids[i * b:(i + 1) * b])
@@ -107,15 +107,15 @@ class BlockManager:
         return new
 
     def allocate(self, seq_id: int, token_ids: Seq[int], hit: PrefixHit, num_tokens: int,
-                 prompt_hashes: Seq[BlockHash] = ()) -> bool:
+                 prompt_hashes: Seq[BlockHash] = (), salt: CacheSalt = ()) -> bool:
         """Start a sequence's table: take the hit blocks, then new blocks for `num_tokens` tokens.
         `prompt_hashes`: its prompt's full blocks; those past the hit that nobody computes yet are marked
-        in flight, computed by this sequence."""
+        in flight, computed by this sequence. `salt`: what its hashes mix in (block_pool.CacheSalt)."""
         assert seq_id not in self._seqs, f"sequence {seq_id} already has blocks"
         if self.blocks_needed(seq_id, num_tokens, hit) > self.pool.num_free:
             return False
         self.pool.touch(hit.blocks)
-        state = SeqBlocks(blocks=list(hit.blocks), num_cached_blocks=len(hit.blocks))
+        state = SeqBlocks(blocks=list(hit.blocks), num_cached_blocks=len(hit.blocks), salt=salt)
         state.hashes = [blk.block_hash for blk in hit.blocks]  # type: ignore[misc]
         self._seqs[seq_id] = state
         if self.placement is not None:
@@ -170,28 +170,35 @@ class BlockManager:
             return idx
         return None
 
-    def commit(self, seq_id: int, token_ids: Seq[int], num_computed: int) -> None:
-        """Register the blocks that `num_computed` computed tokens have filled, so others can hit them."""
+    def commit(self, seq_id: int, token_ids: Seq[int], num_computed: int, num_prompt_tokens: int = 0) -> int:
+        """Register the blocks that `num_computed` computed tokens have filled, so others can hit them.
+        Returns how many tokens of the first `num_prompt_tokens` it wrote into the cache (full blocks that
+        became the cached copy; a block someone else cached first is not a write)."""
         state = self._seqs[seq_id]
         full = num_computed // self.block_size
+        written = 0
         if full <= state.num_cached_blocks:
-            return
+            return written
         if self.enable_prefix_caching:
             if len(state.hashes) < full:
-                state.hashes = self.block_hashes(token_ids[:full * self.block_size], state.hashes)
+                state.hashes = self.block_hashes(token_ids[:full * self.block_size], state.hashes, state.salt)
             b = self.block_size
             for i in range(state.num_cached_blocks, full):
-                self.pool.cache_full_block(state.blocks[i], state.hashes[i], token_ids[i * b:(i + 1) * b],
-                                           parent=state.hashes[i - 1] if i > 0 else None)
+                if self.pool.cache_full_block(state.blocks[i], state.hashes[i], token_ids[i * b:(i + 1) * b],
+                                              parent=state.hashes[i - 1] if i > 0 else None) \
+                        and (i + 1) * b <= num_prompt_tokens:
+                    written += b
                 if self._inflight.get(state.hashes[i]) == seq_id:
                     del self._inflight[state.hashes[i]]
         state.num_cached_blocks = full
+        return written
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent by reference count."""
         parent = self._seqs[parent_id]
         self.pool.touch(parent.blocks)
-        self._seqs[child_id] = SeqBlocks(list(parent.blocks), list(parent.hashes), parent.num_cached_blocks)
+        self._seqs[child_id] = SeqBlocks(list(parent.blocks), list(parent.hashes), parent.num_cached_blocks,
+                                         salt=parent.salt)
         if self.placement is not None:
             self.placement.attach(child_id, [blk.block_id for blk in parent.blocks])
 
@@ -215,12 +222,13 @@ class BlockManager:
         return seq_id in self._seqs
 
     # -- prefixes -----------------------------------------------------------------------------
-    def cached_blocks(self, token_ids: Seq[int], hashes: Seq[BlockHash] | None = None) -> list[Block | None]:
+    def cached_blocks(self, token_ids: Seq[int], hashes: Seq[BlockHash] | None = None,
+                      salt: CacheSalt = ()) -> list[Block | None]:
         """The cached block of each full block of `token_ids` (None where it is not cached);
-        `hashes`: their chained hashes, if the caller has them. Pins (engine/pinning.py) and the
-        admission check read the cache through this one method."""
+        `hashes`: their chained hashes (hashed with `salt`), if the caller has them. Pins (engine/pinning.py)
+        and the admission check read the cache through this one method."""
         if hashes is None:
-            hashes = self.block_hashes(token_ids)
+            hashes = self.block_hashes(token_ids, salt=salt)
         b = self.block_size
         return [self.pool.lookup(h, token_ids[i * b:(i + 1) * b]) for i, h in enumerate(hashes)]
 

@@ -25,6 +25,12 @@ from dataclasses import dataclass
 from typing import NewType, Protocol
 
 BlockHash = NewType("BlockHash", bytes)
+CacheSalt = tuple[tuple[int, str], ...]
+"""Keys mixed into chosen blocks' hashes, as (block index, key) pairs in ascending index order. A salt at
+block 0 puts a whole sequence's cache apart (one tenant's prompts are a miss for another: the service
+derives it from the caller, never from what the caller sends); a salt at block i > 0 puts apart what
+follows a shared first part (a published prefix, then a tenant's own question). Every block after a
+salted one differs too, because hashes chain."""
 
 
 class BlockEvents(Protocol):
@@ -55,12 +61,15 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: Sequence
 
 
 def hash_blocks(fingerprint: str, token_ids: Sequence[int], block_size: int,
-                parent: BlockHash | None = None, start: int = 0) -> list[BlockHash]:
-    """Hashes of the full blocks of `token_ids[start:]`, chained from `parent` (default: the root)."""
+                parent: BlockHash | None = None, start: int = 0, salt: CacheSalt = ()) -> list[BlockHash]:
+    """Hashes of the full blocks of `token_ids[start:]`, chained from `parent` (default: the root);
+    `salt` keys go into the blocks they name (block indexes count from token 0, not from `start`)."""
     out: list[BlockHash] = []
     prev = parent if parent is not None else root_hash(fingerprint)
+    keys = dict(salt)
     for i in range(start, len(token_ids) - block_size + 1, block_size):
-        prev = hash_block(prev, token_ids[i:i + block_size])
+        key = keys.get(i // block_size)
+        prev = hash_block(prev, token_ids[i:i + block_size], (key,) if key is not None else ())
         out.append(prev)
     return out
 
@@ -240,16 +249,17 @@ class BlockPool:
         return block
 
     def cache_full_block(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int],
-                         parent: BlockHash | None = None) -> None:
+                         parent: BlockHash | None = None) -> bool:
         """Give a just-filled block its hash (`parent`: the previous block's, None for a first block).
         If another block already holds this content, the existing one stays the cached copy and this
-        one stays private."""
+        one stays private. True when this block became the cached copy (a cache write)."""
         if block.block_hash is not None or block_hash in self.cached:
-            return
+            return False
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         self.cached[block_hash] = block
         if self.events is not None:
             self.events.stored(block_hash, parent, block.token_ids)
+        return True
 
     def reset_prefix_cache(self) -> int:
         """Drop the hash of every evictable block (pinned and referenced blocks keep theirs); returns

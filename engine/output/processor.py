@@ -152,7 +152,8 @@ class OutputProcessor:
         if prompt_logprobs is not None and len(prompt_logprobs) < len(group.prompt_token_ids):
             prompt_logprobs = None                   # not all computed yet (a chunked prefill)
         return RequestOutput(group.request_id, group.prompt_token_ids, outs, group.finished,
-                             num_cached_tokens=max(group.first.num_cached_tokens, 0), error=group.error,
+                             num_cached_tokens=max(group.first.num_cached_tokens, 0),
+                             num_written_tokens=group.first.num_written_tokens, error=group.error,
                              times=group.times, num_generated_tokens=group.num_generated_tokens,
                              prompt_logprobs=prompt_logprobs)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from engine.core import EngineCore
 from engine.errors import CapacityExceeded, EngineError, InvalidRequest, PinCapExceeded
-from engine.kv.block_pool import Block, BlockHash, PinCapError
+from engine.kv.block_pool import Block, BlockHash, CacheSalt, PinCapError
 from engine.outputs import PinnedPrefix
 from engine.sequence import SamplingParams, SequenceGroup
 
@@ -37,6 +37,7 @@ class PinState(enum.Enum):
 class PinJob:
     job_id: str
     token_ids: list[int]
+    salt: CacheSalt = ()
     hashes: list[BlockHash] = field(default_factory=list)
     state: PinState = PinState.COMPUTING
     request_id: str | None = None          # the prefill computing it, while COMPUTING
@@ -54,15 +55,16 @@ class PinStateMachine:
         self.jobs: dict[str, PinJob] = {}
         self._by_request: dict[str, PinJob] = {}
 
-    def start(self, job_id: str, token_ids: list[int]) -> PinJob:
+    def start(self, job_id: str, token_ids: list[int], salt: CacheSalt = ()) -> PinJob:
+        """`salt`: what the prefix's hashes mix in (block_pool.CacheSalt); requests hit it only with the same."""
         assert job_id not in self.jobs, f"pin job {job_id!r} exists"
-        job = PinJob(job_id, list(token_ids))
+        job = PinJob(job_id, list(token_ids), tuple(salt))
         self.jobs[job_id] = job
         core = self.core
         try:
             if not core.config.enable_prefix_caching:
                 raise InvalidRequest("pinning a prefix needs prefix caching, which is disabled", param="prompt")
-            job.hashes = core.manager.block_hashes(job.token_ids)
+            job.hashes = core.manager.block_hashes(job.token_ids, salt=job.salt)
             blocks = core.manager.cached_blocks(job.token_ids, job.hashes)
             pool = core.pool
             new = sum(1 for b in blocks if b is None or b.pin_count == 0)
@@ -73,7 +75,8 @@ class PinStateMachine:
             if all(b is not None for b in blocks):
                 self._pin(job, blocks)          # type: ignore[arg-type]
                 return job
-            request = core.make_request(f"pin-{job_id}", job.token_ids, SamplingParams(max_tokens=0, temperature=0.0))
+            request = core.make_request(f"pin-{job_id}", job.token_ids,
+                                        SamplingParams(max_tokens=0, temperature=0.0, cache_salt=job.salt))
             core.add(request)
             job.request_id = request.request_id
             self._by_request[request.request_id] = job
@@ -124,9 +127,9 @@ class PinStateMachine:
             blocks = self.core.manager.cached_blocks(job.token_ids, job.hashes)
             self.core.pool.unpin(blocks)        # type: ignore[arg-type]
 
-    def unpin(self, token_ids: list[int]) -> int:
+    def unpin(self, token_ids: list[int], salt: CacheSalt = ()) -> int:
         """Drops one pin from each full block of a prefix pinned before; 0 (nothing done) if it is not."""
-        blocks = self.core.manager.cached_blocks(token_ids)
+        blocks = self.core.manager.cached_blocks(token_ids, salt=salt)
         if any(b is None or b.pin_count == 0 for b in blocks):
             return 0
         self.core.pool.unpin(blocks)            # type: ignore[arg-type]

@@ -126,7 +126,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             if self.manager.enable_prefix_caching:
-                seq.block_hashes = self.manager.block_hashes(seq.token_ids, seq.block_hashes)
+                seq.block_hashes = self.manager.block_hashes(seq.token_ids, seq.block_hashes, seq.params.cache_salt)
             # prompt log-probabilities need every prompt position computed: no prefix-cache hit then
             hit = self.manager.lookup(seq.token_ids, seq.block_hashes) if seq.params.prompt_logprobs is None \
                 else PrefixHit((), 0)
@@ -139,7 +139,8 @@ class Scheduler:
             if (self.running and self.manager.blocks_needed(seq.seq_id, hit.num_tokens + num_new, hit)
                     > self.manager.pool.num_free - self.watermark) or \
                     not self.manager.allocate(seq.seq_id, seq.token_ids, hit, hit.num_tokens + num_new,
-                                              prompt_hashes if seq.params.prompt_logprobs is None else ()):
+                                              prompt_hashes if seq.params.prompt_logprobs is None else (),
+                                              seq.params.cache_salt):
                 if not self.running and not out.scheduled:
                     # Nothing runs that could free blocks: this one can never fit.
                     self.waiting.popleft()
@@ -197,4 +198,5 @@ class Scheduler:
         """After the forward pass: the scheduled tokens are now in the cache."""
         for s in out.scheduled:
             s.seq.num_computed += s.num_new
-            self.manager.commit(s.seq.seq_id, s.seq.token_ids, s.seq.num_computed)
+            s.seq.num_written_tokens += self.manager.commit(s.seq.seq_id, s.seq.token_ids, s.seq.num_computed,
+                                                            s.seq.num_prompt_tokens)
