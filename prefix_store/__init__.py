@@ -14,6 +14,7 @@ from prefix_store.base import PrefixEvent, PrefixRecord, PrefixStore, ReplicaInf
 from prefix_store.errors import (
     InvalidPrefix,
     PrefixConflict,
+    PrefixForbidden,
     PrefixNotFound,
     RegistryError,
     RegistryFull,
@@ -27,6 +28,7 @@ __all__ = [
     "MemoryPrefixStore",
     "PrefixConflict",
     "PrefixEvent",
+    "PrefixForbidden",
     "PrefixNotFound",
     "PrefixRecord",
     "PrefixStore",

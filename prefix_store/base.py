@@ -1,7 +1,9 @@
 """The prefix registry's value objects and the `PrefixStore` protocol every store implements.
 
-A registered prefix is keyed by (model fingerprint, name): replicas serving different models or
-tokenizers share one Redis without seeing each other's token ids.
+A registered prefix is keyed by (model fingerprint, key): replicas serving different models or
+tokenizers share one Redis without seeing each other's token ids. Its key is its name when it is
+published (every tenant may name it), `<owner>/<name>` when a tenant owns it (names cannot hold "/"),
+so two tenants' names never collide.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any, Literal, Protocol
 
 EventKind = Literal["registered", "deleted", "resync"]
 SOURCE_KEYS = ("prompt", "messages", "token_ids")
+PrefixKind = Literal["named", "cache_key"]      # registered by name, or a prompt_cache_key's lease
 
 
 @dataclass
@@ -21,6 +24,11 @@ class PrefixRecord:
 
     `block_hashes` are the hex hashes of the prefix's full KV blocks, chained from the model
     fingerprint, so another replica can check it hashes the same tokens the same way.
+
+    `owner`: the tenant it belongs to (None: published to all). `salt`: the cache salt its blocks are
+    hashed with (engine/kv/block_pool.CacheSalt at block 0; None: unsalted), decided at registration so
+    every replica pins the same hashes. A lease (`ttl_seconds`) ends at `expires_at` (wall clock) unless
+    a hit or an update moves it; without one the prefix lasts until deleted.
     """
 
     name: str
@@ -31,6 +39,11 @@ class PrefixRecord:
     tokenizer_version: str = ""
     description: str | None = None
     created_at: float = field(default_factory=time.time)
+    owner: str | None = None
+    salt: str | None = None
+    kind: PrefixKind = "named"
+    ttl_seconds: float | None = None
+    expires_at: float | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -40,9 +53,18 @@ class PrefixRecord:
         if not any(key in self.source for key in SOURCE_KEYS):
             raise ValueError(f"prefix source must hold one of {SOURCE_KEYS}, got {sorted(self.source)}")
 
+    @property
+    def key(self) -> str:
+        """Its key in the store (the module docstring)."""
+        return self.name if self.owner is None else f"{self.owner}/{self.name}"
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
+
     def same_content(self, other: PrefixRecord) -> bool:
         """True when both records pin the same tokens for the same model (name and metadata aside)."""
-        return self.fingerprint == other.fingerprint and self.token_ids == other.token_ids
+        return (self.fingerprint == other.fingerprint and self.token_ids == other.token_ids
+                and self.salt == other.salt)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +76,11 @@ class PrefixRecord:
             "tokenizer_version": self.tokenizer_version,
             "description": self.description,
             "created_at": self.created_at,
+            "owner": self.owner,
+            "salt": self.salt,
+            "kind": self.kind,
+            "ttl_seconds": self.ttl_seconds,
+            "expires_at": self.expires_at,
         }
 
     @classmethod
@@ -68,6 +95,11 @@ class PrefixRecord:
             tokenizer_version=str(data.get("tokenizer_version", "")),
             description=data.get("description"),
             created_at=float(data.get("created_at", 0.0)),
+            owner=None if data.get("owner") is None else str(data["owner"]),
+            salt=None if data.get("salt") is None else str(data["salt"]),
+            kind="cache_key" if data.get("kind") == "cache_key" else "named",
+            ttl_seconds=None if data.get("ttl_seconds") is None else float(data["ttl_seconds"]),
+            expires_at=None if data.get("expires_at") is None else float(data["expires_at"]),
         )
 
 
@@ -109,7 +141,8 @@ class PrefixEvent:
     """An announcement on the registry's channel.
 
     `registered` / `deleted`: `origin` made the change to (`fingerprint`, `name`); a replica's own
-    changes come back to it too, so consumers filter on `origin`.
+    changes come back to it too, so consumers filter on `origin`. `name` is the record's key
+    (PrefixRecord.key).
 
     `resync` (fingerprint, name and origin empty) is never sent by anyone: `events()` yields it
     each time its subscription is (re)established, the first time included. Announcements made
@@ -156,7 +189,14 @@ class PrefixStore(Protocol):
         """
         ...
 
-    async def get(self, fingerprint: str, name: str) -> PrefixRecord | None: ...
+    async def update(self, record: PrefixRecord, origin: str) -> bool:
+        """Overwrite the record stored at `record.key` (its content may change: a lease that narrowed,
+        a new expiry or description), announcing it as `registered`; False when there is none."""
+        ...
+
+    async def get(self, fingerprint: str, name: str) -> PrefixRecord | None:
+        """The record at key `name` (PrefixRecord.key), None if there is none or its lease has expired."""
+        ...
 
     async def list(self, fingerprint: str | None = None) -> builtins.list[PrefixRecord]:
         """Records of one fingerprint (None: of every fingerprint), sorted by (fingerprint, name)."""

@@ -38,5 +38,9 @@ class PrefixConflict(RegistryError):
         self.existing = existing
 
 
+class PrefixForbidden(RegistryError):
+    """The caller may not do this to that prefix: change a published one without an admin key (HTTP 403)."""
+
+
 class StoreUnavailable(RegistryError):
     """The store cannot be reached or did not answer in time (HTTP 503); the caller may retry."""

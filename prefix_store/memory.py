@@ -19,7 +19,7 @@ class MemoryPrefixStore:
     """`PrefixStore` held in this process; announcements go to this process's `events()` iterators."""
 
     def __init__(self) -> None:
-        self._records: dict[tuple[str, str], PrefixRecord] = {}            # (fingerprint, name) -> record
+        self._records: dict[tuple[str, str], PrefixRecord] = {}            # (fingerprint, key) -> record
         self._replicas: dict[str, tuple[float, ReplicaInfo]] = {}          # id -> (monotonic deadline, info)
         # One unbounded queue per live `events()` iterator; None ends it. Announcements are rare
         # (registrations), so a slow consumer cannot grow a queue by much.
@@ -36,30 +36,49 @@ class MemoryPrefixStore:
 
     async def put(self, record: PrefixRecord, origin: str) -> tuple[PrefixRecord, bool]:
         self._check_open()
-        key = (record.fingerprint, record.name)
-        existing = self._records.get(key)
+        key = (record.fingerprint, record.key)
+        existing = self._live(key)
         if existing is not None:
             if existing.same_content(record):
                 return copy.deepcopy(existing), False
             raise PrefixConflict(copy.deepcopy(existing))
         self._records[key] = copy.deepcopy(record)
-        self._announce(PrefixEvent("registered", record.fingerprint, record.name, origin))
+        self._announce(PrefixEvent("registered", record.fingerprint, record.key, origin))
         return copy.deepcopy(record), True
+
+    def _live(self, key: tuple[str, str]) -> PrefixRecord | None:
+        """The record at `key`; one whose lease has ended is dropped here (what Redis' key expiry does)."""
+        record = self._records.get(key)
+        if record is not None and record.expired(time.time()):
+            del self._records[key]
+            return None
+        return record
+
+    async def update(self, record: PrefixRecord, origin: str) -> bool:
+        self._check_open()
+        key = (record.fingerprint, record.key)
+        if self._live(key) is None:
+            return False
+        self._records[key] = copy.deepcopy(record)
+        self._announce(PrefixEvent("registered", record.fingerprint, record.key, origin))
+        return True
 
     async def get(self, fingerprint: str, name: str) -> PrefixRecord | None:
         self._check_open()
-        record = self._records.get((fingerprint, name))
+        record = self._live((fingerprint, name))
         return copy.deepcopy(record) if record is not None else None
 
     async def list(self, fingerprint: str | None = None) -> builtins.list[PrefixRecord]:
         self._check_open()
-        keys = sorted(k for k in self._records if fingerprint is None or k[0] == fingerprint)
+        keys = sorted(k for k in list(self._records) if (fingerprint is None or k[0] == fingerprint)
+                      and self._live(k) is not None)
         return [copy.deepcopy(self._records[k]) for k in keys]
 
     async def delete(self, fingerprint: str, name: str, origin: str) -> bool:
         self._check_open()
-        if self._records.pop((fingerprint, name), None) is None:
+        if self._live((fingerprint, name)) is None:
             return False
+        del self._records[(fingerprint, name)]
         self._announce(PrefixEvent("deleted", fingerprint, name, origin))
         return True
 

@@ -2,8 +2,9 @@
 
 Keys, with ns the namespace and fp the model fingerprint:
 
-    {ns}:prefix:{fp}:{name}   msgpack PrefixRecord
-    {ns}:prefixes:{fp}        set of the names registered for fp
+    {ns}:prefix:{fp}:{key}    msgpack PrefixRecord (key: PrefixRecord.key), expiring at a lease's end
+    {ns}:prefixes:{fp}        set of the keys registered for fp (an expired key's entry is left for
+                              the replicas' expiry sweep to remove)
     {ns}:fingerprints         set of the fingerprints with at least one name
     {ns}:replica:{id}         msgpack ReplicaInfo, expiring (SET ... PX ttl): a liveness key
     {ns}:events               pub/sub channel of msgpack PrefixEvent announcements
@@ -67,6 +68,11 @@ def _record(raw: bytes | str, key: str) -> PrefixRecord:
                                "delete it or fix its writer") from exc
 
 
+def _pxat(record: PrefixRecord) -> int | None:
+    """A lease's end as Redis' absolute expiry (ms), None for a prefix without one."""
+    return None if record.expires_at is None else max(1, int(record.expires_at * 1000))
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -115,9 +121,9 @@ class RedisPrefixStore:
         return f"{self._ns}:replica:{replica_id}"
 
     async def put(self, record: PrefixRecord, origin: str) -> tuple[PrefixRecord, bool]:
-        key = self._record_key(record.fingerprint, record.name)
+        key = self._record_key(record.fingerprint, record.key)
         payload = _pack(record.to_dict())
-        announcement = _pack(PrefixEvent("registered", record.fingerprint, record.name, origin).to_dict())
+        announcement = _pack(PrefixEvent("registered", record.fingerprint, record.key, origin).to_dict())
         with _unavailable("put"):
             async with self._client.pipeline(transaction=True) as pipe:
                 for _ in range(_TX_ATTEMPTS):
@@ -130,8 +136,8 @@ class RedisPrefixStore:
                                 return existing, False
                             raise PrefixConflict(existing)
                         pipe.multi()
-                        pipe.set(key, payload)
-                        pipe.sadd(self._index_key(record.fingerprint), record.name)
+                        pipe.set(key, payload, pxat=_pxat(record))
+                        pipe.sadd(self._index_key(record.fingerprint), record.key)
                         pipe.sadd(self._fingerprints_key, record.fingerprint)
                         pipe.publish(self._channel, announcement)
                         await pipe.execute()
@@ -139,6 +145,26 @@ class RedisPrefixStore:
                     except WatchError:  # another client wrote the key between WATCH and EXEC
                         continue
         raise StoreUnavailable(f"put of prefix {record.name!r} lost {_TX_ATTEMPTS} races in a row; retry")
+
+    async def update(self, record: PrefixRecord, origin: str) -> bool:
+        key = self._record_key(record.fingerprint, record.key)
+        payload = _pack(record.to_dict())
+        announcement = _pack(PrefixEvent("registered", record.fingerprint, record.key, origin).to_dict())
+        with _unavailable("update"):
+            async with self._client.pipeline(transaction=True) as pipe:
+                for _ in range(_TX_ATTEMPTS):
+                    try:
+                        await pipe.watch(key)
+                        if not await pipe.exists(key):
+                            return False
+                        pipe.multi()
+                        pipe.set(key, payload, pxat=_pxat(record))
+                        pipe.publish(self._channel, announcement)
+                        await pipe.execute()
+                        return True
+                    except WatchError:
+                        continue
+        raise StoreUnavailable(f"update of prefix {record.name!r} lost {_TX_ATTEMPTS} races in a row; retry")
 
     async def get(self, fingerprint: str, name: str) -> PrefixRecord | None:
         key = self._record_key(fingerprint, name)
@@ -178,6 +204,10 @@ class RedisPrefixStore:
                         # The index is watched too: whether the fingerprint set keeps fp depends on it.
                         await pipe.watch(key, index)
                         if not await pipe.exists(key):
+                            if await pipe.sismember(index, name):       # its lease expired: tidy the index
+                                pipe.multi()
+                                pipe.srem(index, name)
+                                await pipe.execute()
                             return False
                         others = await pipe.scard(index) - int(await pipe.sismember(index, name))
                         pipe.multi()

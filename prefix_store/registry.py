@@ -10,10 +10,21 @@ full resync (at start, and whenever the channel reconnects) keep the pinned set 
 
 Redis is never on the per-token path: requests resolve names in the local view. With the store down,
 reads answer from the local view and writes answer 503; when it comes back, the replica resyncs.
+
+Tenants: a prefix a tenant registers is its own (`owner`; its key `<owner>/<name>`), one an admin
+publishes is everyone's (key: its name). A caller resolves a name to its own prefix first, then to the
+published one of that name; it never sees another tenant's. Leases: a prefix with `ttl_seconds` ends
+`ttl_seconds` after its last hit or update (the store drops it: Redis key expiry); each replica sweeps
+its view for ended leases, re-reads them from the store (another replica's hit may have moved them) and
+unpins those that ended, so their blocks are left to the LRU. A `prompt_cache_key` is a lease of kind
+"cache_key" on the common prefix of the prompts that sent it (`lease_cache_key`).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import hashlib
 import logging
 import time
 import uuid
@@ -21,8 +32,15 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from prefix_store.base import PrefixRecord, PrefixStore, ReplicaInfo
-from prefix_store.errors import InvalidPrefix, PrefixConflict, PrefixNotFound, RegistryFull, StoreUnavailable
+from prefix_store.base import PrefixKind, PrefixRecord, PrefixStore, ReplicaInfo
+from prefix_store.errors import (
+    InvalidPrefix,
+    PrefixConflict,
+    PrefixForbidden,
+    PrefixNotFound,
+    RegistryFull,
+    StoreUnavailable,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,9 +83,9 @@ class Pinner(Protocol):
     max_model_len: int
     model_name: str
 
-    async def pin_prefix(self, token_ids: list[int]) -> Pinned: ...
+    async def pin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = ()) -> Pinned: ...
 
-    async def unpin_prefix(self, token_ids: list[int]) -> int: ...
+    async def unpin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = ()) -> int: ...
 
     def stats(self) -> Load: ...
 
@@ -80,6 +98,13 @@ class PrefixSnapshot:
     name: str
     token_ids: tuple[int, ...]
     messages: tuple[dict[str, Any], ...] | None      # its source, when it was registered with messages
+    key: str = ""                                    # PrefixRecord.key: what its use is counted under
+    salt: str | None = None                          # its blocks' cache salt (PrefixRecord.salt)
+
+
+def salt_of(record: PrefixRecord) -> tuple[tuple[int, str], ...]:
+    """The engine's cache salt (block_pool.CacheSalt) a record's blocks are hashed with."""
+    return ((0, record.salt),) if record.salt else ()
 
 
 @dataclass
@@ -92,7 +117,8 @@ class LocalPrefix:
 
 class PrefixRegistry:
     def __init__(self, store: PrefixStore, engine: Pinner, address: str = "",
-                 heartbeat_interval: float = 2.0, max_prefixes: int = 1024) -> None:
+                 heartbeat_interval: float = 2.0, max_prefixes: int = 1024,
+                 max_prefixes_per_tenant: int | None = None, lease_sweep_interval: float = 1.0) -> None:
         self.store = store
         self.engine = engine
         self.fingerprint = engine.fingerprint
@@ -100,7 +126,10 @@ class PrefixRegistry:
         self.address = address
         self.heartbeat_interval = heartbeat_interval
         self.max_prefixes = max_prefixes
-        self.local: dict[str, LocalPrefix] = {}
+        self.max_prefixes_per_tenant = max_prefixes_per_tenant
+        self.lease_sweep_interval = lease_sweep_interval
+        self._spawned: set[asyncio.Task[Any]] = set()   # lease refreshes written in the background
+        self.local: dict[str, LocalPrefix] = {}     # by PrefixRecord.key
         self.ready = asyncio.Event()                # set once the first resync has warmed every prefix
         self.store_ok = True
         self._lock = asyncio.Lock()                 # one registry mutation at a time (pins are not atomic)
@@ -109,14 +138,15 @@ class PrefixRegistry:
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._follow_events(), name="prefix-events"),
-                       asyncio.create_task(self._heartbeat(), name="prefix-heartbeat")]
+                       asyncio.create_task(self._heartbeat(), name="prefix-heartbeat"),
+                       asyncio.create_task(self._sweep_leases(), name="prefix-leases")]
         # The events stream yields "resync" once subscribed; warm-up happens there. If the store is
         # down, the first resync fails fast and the replica is ready with what it has (nothing).
 
     async def close(self) -> None:
-        for t in self._tasks:
+        for t in self._tasks + list(self._spawned):
             t.cancel()
-        for t in self._tasks:
+        for t in self._tasks + list(self._spawned):
             try:
                 await t
             except (asyncio.CancelledError, Exception):
@@ -169,7 +199,7 @@ class PrefixRegistry:
             return
         self.store_ok = True
         async with self._lock:
-            wanted = {r.name: r for r in records}
+            wanted = {r.key: r for r in records}
             for name in [n for n in self.local if n not in wanted or
                          not wanted[n].same_content(self.local[n].record)]:
                 await self._unpin_local(name)
@@ -191,27 +221,31 @@ class PrefixRegistry:
                 await self._unpin_local(name)           # gone, or replaced by other content
                 if record is not None:
                     await self._pin_local(record)
+            else:
+                entry.record = record                   # same blocks, new metadata (a lease moved)
 
     async def _pin_local(self, record: PrefixRecord) -> None:
         try:
-            pinned = await self.engine.pin_prefix(record.token_ids)
+            pinned = await self.engine.pin_prefix(record.token_ids, salt_of(record))
         except asyncio.CancelledError:
             raise
         except Exception as exc:            # the engine's refusal (the pin cap): serve without it, say why
             log.error("cannot pin registered prefix %r here: %s", record.name, exc)
             return
-        self.local[record.name] = LocalPrefix(record, pinned.num_pinned_blocks)
+        self.local[record.key] = LocalPrefix(record, pinned.num_pinned_blocks)
 
-    async def _unpin_local(self, name: str) -> None:
-        entry = self.local.pop(name, None)
+    async def _unpin_local(self, key: str) -> None:
+        entry = self.local.pop(key, None)
         if entry is not None:
-            await self.engine.unpin_prefix(entry.record.token_ids)
+            await self.engine.unpin_prefix(entry.record.token_ids, salt_of(entry.record))
 
     # -- API operations -----------------------------------------------------------------------
-    async def register(self, name: str, token_ids: list[int], source: dict[str, Any],
-                       description: str | None) -> tuple[PrefixRecord, bool]:
-        """Pins then records. Returns (record, created). Raises InvalidPrefix, PrefixConflict,
-        StoreUnavailable or the engine's PinCapExceeded.
+    async def register(self, name: str, token_ids: list[int], source: dict[str, Any], description: str | None,
+                       owner: str | None = None, salt: str | None = None, ttl_seconds: float | None = None,
+                       kind: PrefixKind = "named") -> tuple[PrefixRecord, bool]:
+        """Pins then records. Returns (record, created). Raises InvalidPrefix, PrefixConflict, RegistryFull,
+        StoreUnavailable or the engine's PinCapExceeded. `owner`: the tenant it is registered for (None:
+        published), `salt`: its blocks' cache salt, `ttl_seconds`: a lease.
 
         The work runs as its own task: a caller that goes away (a cancelled HTTP handler) does not cut
         it between the pin and the record, so the pinned set and the store never disagree for it."""
@@ -222,73 +256,240 @@ class PrefixRegistry:
         if len(token_ids) >= self.engine.max_model_len:
             raise InvalidPrefix(f"the prefix has {len(token_ids)} tokens; the model's maximum context length is "
                                 f"{self.engine.max_model_len}", param="prompt")
-        return await _shielded(self._register(name, list(token_ids), source, description))
+        record = PrefixRecord(name=name, fingerprint=self.fingerprint, token_ids=list(token_ids), source=source,
+                              tokenizer_version=self.engine.tokenizer_version, description=description,
+                              owner=owner, salt=salt, kind=kind, ttl_seconds=ttl_seconds,
+                              expires_at=None if ttl_seconds is None else time.time() + ttl_seconds)
+        return await _shielded(self._register(record))
 
-    async def _register(self, name: str, token_ids: list[int], source: dict[str, Any],
-                        description: str | None) -> tuple[PrefixRecord, bool]:
+    async def _register(self, record: PrefixRecord) -> tuple[PrefixRecord, bool]:
+        key = record.key
         async with self._lock:
-            existing = await self.store.get(self.fingerprint, name)
-            if existing is not None and existing.token_ids != token_ids:
+            existing = await self.store.get(self.fingerprint, key)
+            if existing is not None and not existing.same_content(record):
                 raise PrefixConflict(existing)
-            if existing is None and name not in self.local and len(self.local) >= self.max_prefixes:
-                raise RegistryFull(f"{len(self.local)} prefixes are registered, the most this server keeps "
-                                   f"(--max-prefixes {self.max_prefixes}); delete one first", param="name")
-            entry = self.local.get(name)
-            stale = entry is not None and entry.record.token_ids != token_ids   # a view the store no longer has
+            if existing is None and key not in self.local:
+                self._check_room(record.owner)
+            entry = self.local.get(key)
+            stale = entry is not None and not entry.record.same_content(record)   # a view the store no longer has
             pinned = None
             if entry is None or stale:
-                pinned = await self.engine.pin_prefix(token_ids)                 # the pins are ours from here
-            record = PrefixRecord(name=name, fingerprint=self.fingerprint, token_ids=token_ids, source=source,
-                                  block_hashes=pinned.block_hashes if pinned else entry.record.block_hashes,  # type: ignore[union-attr]
-                                  tokenizer_version=self.engine.tokenizer_version, description=description,
-                                  created_at=time.time())
+                pinned = await self.engine.pin_prefix(record.token_ids, salt_of(record))   # ours from here
+            record.block_hashes = pinned.block_hashes if pinned else entry.record.block_hashes  # type: ignore[union-attr]
             try:
                 stored, created = await self.store.put(record, origin=self.replica_id)
             except BaseException:
                 if pinned is not None:
-                    await self.engine.unpin_prefix(token_ids)
+                    await self.engine.unpin_prefix(record.token_ids, salt_of(record))
                 raise
             if pinned is not None:
                 if stale:
-                    await self._unpin_local(name)
-                self.local[name] = LocalPrefix(stored, pinned.num_pinned_blocks)
+                    await self._unpin_local(key)
+                self.local[key] = LocalPrefix(stored, pinned.num_pinned_blocks)
             else:
-                self.local[name].record = stored
+                self.local[key].record = stored
             return stored, created
 
-    async def delete(self, name: str) -> None:
-        """Raises PrefixNotFound or StoreUnavailable."""
-        await _shielded(self._delete(name))
+    def _check_room(self, owner: str | None) -> None:
+        """RegistryFull when the server, or this tenant, keeps as many prefixes as it may (leases count)."""
+        if len(self.local) >= self.max_prefixes:
+            raise RegistryFull(f"{len(self.local)} prefixes are registered, the most this server keeps "
+                               f"(--max-prefixes {self.max_prefixes}); delete one first", param="name")
+        cap = self.max_prefixes_per_tenant
+        if owner is not None and cap is not None and \
+                sum(1 for e in self.local.values() if e.record.owner == owner) >= cap:
+            raise RegistryFull(f"this tenant has {cap} prefixes registered (prompt_cache_key leases included), "
+                               f"the most one tenant keeps (--max-prefixes-per-tenant {cap}); delete one first",
+                               param="name")
 
-    async def _delete(self, name: str) -> None:
+    def _keys(self, name: str, owner: str | None, tenant: str | None = None) -> list[str]:
+        """The keys `name` may mean, in order: the given tenant's (an admin's `tenant`), else the caller's
+        own, then the published one."""
+        if tenant is not None:
+            return [f"{tenant}/{name}"]
+        return ([f"{owner}/{name}"] if owner is not None else []) + [name]
+
+    async def _find(self, name: str, owner: str | None, tenant: str | None = None) -> PrefixRecord:
+        """The record `name` means to this caller: the local view first, then the store (PrefixNotFound,
+        StoreUnavailable)."""
+        keys = self._keys(name, owner, tenant)
+        for key in keys:
+            if key in self.local:
+                return self.local[key].record
+        for key in keys:
+            record = await self.store.get(self.fingerprint, key)
+            if record is not None:
+                return record
+        raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
+
+    @staticmethod
+    def _may_change(record: PrefixRecord, owner: str | None, admin: bool) -> None:
+        if not admin and record.owner != owner:
+            raise PrefixForbidden(f"prefix {record.name!r} is published to every tenant; only an admin key may "
+                                  "change or delete it", param="name")
+
+    async def delete(self, name: str, owner: str | None = None, admin: bool = True, tenant: str | None = None) -> None:
+        """Raises PrefixNotFound, PrefixForbidden or StoreUnavailable. A record the store cannot decode (a
+        foreign writer) is deleted by key: the first of the caller's keys for the name that holds one."""
+        try:
+            record = await self._find(name, owner, tenant)
+        except StoreUnavailable:
+            keys = self._keys(name, owner, tenant)
+            for key in keys if admin else keys[:1] if owner is not None else []:
+                with contextlib.suppress(PrefixNotFound):
+                    return await _shielded(self._delete(key))
+            raise
+        self._may_change(record, owner, admin)
+        await _shielded(self._delete(record.key))
+
+    async def _delete(self, key: str) -> None:
         async with self._lock:
-            deleted = await self.store.delete(self.fingerprint, name, origin=self.replica_id)
-            present = name in self.local
-            await self._unpin_local(name)
+            deleted = await self.store.delete(self.fingerprint, key, origin=self.replica_id)
+            present = key in self.local
+            await self._unpin_local(key)
         if not deleted and not present:
-            raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
+            raise PrefixNotFound(f"prefix {key.rsplit('/', 1)[-1]!r} is not registered", param="name")
 
-    def snapshot(self, name: str) -> PrefixSnapshot:
-        """The named prefix as a request uses it; PrefixNotFound if it is not pinned here. Names resolve in
-        this replica's local view, never in the store: the store is not on the per-request path."""
-        entry = self.local.get(name)
+    async def update(self, name: str, owner: str | None, admin: bool, tenant: str | None = None,
+                     **changes: Any) -> dict[str, Any]:
+        """PATCH: a new `ttl_seconds` (None: no lease any more; the lease restarts now) and/or `description`.
+        Raises PrefixNotFound, PrefixForbidden or StoreUnavailable."""
+        record = await self._find(name, owner, tenant)
+        self._may_change(record, owner, admin)
+        if "ttl_seconds" in changes:
+            ttl = changes["ttl_seconds"]
+            record = dataclasses.replace(record, ttl_seconds=ttl, expires_at=None if ttl is None else time.time() + ttl)
+        if "description" in changes:
+            record = dataclasses.replace(record, description=changes["description"])
+        async with self._lock:
+            if not await self.store.update(record, origin=self.replica_id):
+                raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
+            entry = self.local.get(record.key)
+            if entry is not None:
+                entry.record = record
+        return self.describe(entry, record, loaded=entry is not None)
+
+    def snapshot(self, name: str, owner: str | None = None) -> PrefixSnapshot:
+        """The named prefix as a request of tenant `owner` uses it (its own, else the published one);
+        PrefixNotFound if it is not pinned here. Names resolve in this replica's local view, never in the
+        store: the store is not on the per-request path."""
+        entry = next((self.local[k] for k in self._keys(name, owner) if k in self.local), None)
         if entry is None:
             raise PrefixNotFound(f"prefix {name!r} is not registered", param="prefix")
-        messages = entry.record.source.get("messages")
-        return PrefixSnapshot(name, tuple(entry.record.token_ids),
-                              tuple(dict(m) for m in messages) if isinstance(messages, list) else None)
+        record = entry.record
+        messages = record.source.get("messages")
+        return PrefixSnapshot(name, tuple(record.token_ids),
+                              tuple(dict(m) for m in messages) if isinstance(messages, list) else None,
+                              record.key, record.salt)
 
-    def record_use(self, name: str, cached_tokens: int) -> tuple[int, int]:
-        """Counts a request that named the prefix; returns (hit 0/1, tokens saved) for the metrics."""
-        entry = self.local.get(name)
+    def record_use(self, key: str, cached_tokens: int) -> tuple[int, int]:
+        """Counts a request that named the prefix (by its key); a hit moves its lease. Returns (hit 0/1,
+        tokens saved) for the metrics."""
+        entry = self.local.get(key)
         if entry is None:
             return 0, 0
         saved = min(cached_tokens, len(entry.record.token_ids))
         hit = int(saved > 0)
         entry.hit_requests += hit
         entry.tokens_saved += saved
+        if hit:
+            self._refresh(entry)
         return hit, saved
 
+    # -- leases -------------------------------------------------------------------------------
+    def _refresh(self, entry: LocalPrefix) -> None:
+        """Moves a lease's end to now + ttl. The store is written at most once per tenth of the lease, in
+        the background: a hit never waits for Redis."""
+        record, ttl = entry.record, entry.record.ttl_seconds
+        if ttl is None:
+            return
+        end = time.time() + ttl
+        if record.expires_at is not None and end - record.expires_at < ttl / 10:
+            return
+        entry.record = dataclasses.replace(record, expires_at=end)
+        self._background(self.store.update(entry.record, origin=self.replica_id))
+
+    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+        task.add_done_callback(_log_orphan)
+
+    async def _sweep_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_sweep_interval)
+            now = time.time()
+            for key in [k for k, e in self.local.items() if e.record.expired(now)]:
+                try:
+                    await self._expire(key)
+                except Exception:           # never let one lease stop the sweep
+                    log.exception("expiring prefix %r failed", key)
+
+    async def _expire(self, key: str) -> None:
+        """A lease ended in this replica's view: unless the store has it later (another replica's hit),
+        unpin it here and drop it from the store (its index; the others unpin on the announcement)."""
+        async with self._lock:
+            try:
+                record = await self.store.get(self.fingerprint, key)
+            except StoreUnavailable:
+                record = None               # the store is down: our view's lease ended all the same
+            entry = self.local.get(key)
+            if entry is None:
+                return
+            if record is not None and record.same_content(entry.record) and not record.expired(time.time()):
+                entry.record = record
+                return
+            await self._unpin_local(key)
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.delete(self.fingerprint, key, origin=self.replica_id)
+        log.info("prefix %r: its lease ended, unpinned", key)
+
+    async def lease_cache_key(self, owner: str | None, salt: str | None, cache_key: str, token_ids: list[int],
+                              ttl_seconds: float) -> None:
+        """A request with `prompt_cache_key` ended: keep the common prefix of the prompts that sent this key
+        pinned (its full blocks), as a lease of `ttl_seconds`. The first prompt pins its own full blocks;
+        a later one that shares fewer narrows the lease to what they share (one that shares no block
+        replaces it); one that shares it all moves the lease's end. Raises what registering raises."""
+        b = self.engine.block_size
+        usable = list(token_ids[:(len(token_ids) - 1) // b * b])     # the blocks a later prompt can hit
+        name = "pck-" + hashlib.sha256(cache_key.encode()).hexdigest()[:32]
+        key = name if owner is None else f"{owner}/{name}"
+        entry = self.local.get(key)
+        tokens = usable
+        if entry is not None:
+            old = entry.record.token_ids
+            common = next((i for i, (x, y) in enumerate(zip(old, usable)) if x != y), min(len(old), len(usable)))
+            common = common // b * b
+            if common == len(old):
+                self._refresh(entry)
+                return
+            tokens = usable[:common] if common >= b else usable
+        if len(tokens) < b:
+            return
+        record = PrefixRecord(name=name, fingerprint=self.fingerprint, token_ids=tokens,
+                              source={"token_ids": tokens}, tokenizer_version=self.engine.tokenizer_version,
+                              owner=owner, salt=salt, kind="cache_key", ttl_seconds=ttl_seconds,
+                              expires_at=time.time() + ttl_seconds)
+        await _shielded(self._replace(record))
+
+    async def _replace(self, record: PrefixRecord) -> None:
+        """Pins `record`, stores it over whatever its key held, then unpins what that was."""
+        async with self._lock:
+            key = record.key
+            if key not in self.local:
+                self._check_room(record.owner)
+            pinned = await self.engine.pin_prefix(record.token_ids, salt_of(record))
+            record.block_hashes = pinned.block_hashes
+            try:
+                if not await self.store.update(record, origin=self.replica_id):
+                    await self.store.put(record, origin=self.replica_id)
+            except BaseException:
+                await self.engine.unpin_prefix(record.token_ids, salt_of(record))
+                raise
+            await self._unpin_local(key)
+            self.local[key] = LocalPrefix(record, pinned.num_pinned_blocks)
+
+    # -- reading ------------------------------------------------------------------------------
     def describe(self, entry: LocalPrefix | None, record: PrefixRecord, loaded: bool) -> dict[str, Any]:
         return {
             "name": record.name, "object": "prefix", "num_tokens": len(record.token_ids),
@@ -298,27 +499,30 @@ class PrefixRegistry:
             # what it was registered from (not secret: the source itself is admin-only): chat can only name a
             # prefix registered with messages
             "kind": "messages" if record.source.get("messages") is not None else "prompt",
+            "type": "prompt_cache_key" if record.kind == "cache_key" else "named",
+            "published": record.owner is None, "owner": record.owner,
+            "ttl_seconds": record.ttl_seconds,
+            "expires_at": None if record.expires_at is None else int(record.expires_at),
             "hit_requests": entry.hit_requests if entry else 0, "tokens_saved": entry.tokens_saved if entry else 0,
         }
 
-    async def list(self) -> list[dict[str, Any]]:
-        """Every record in the store (other models' listed as not loaded); the local view if it is down."""
+    async def list(self, owner: str | None = None, admin: bool = True) -> list[dict[str, Any]]:
+        """Every record in the store this caller may see (an admin: all; a tenant: its own and the published
+        ones), sorted by key, other models' listed as not loaded; the local view if the store is down."""
         try:
             records = await self.store.list(None)
         except StoreUnavailable:
             records = [e.record for e in self.local.values()]
         out = []
-        for r in records:
+        for r in sorted(records, key=lambda r: (r.fingerprint != self.fingerprint, r.key)):
+            if not (admin or r.owner is None or r.owner == owner):
+                continue
             mine = r.fingerprint == self.fingerprint
-            entry = self.local.get(r.name) if mine else None
+            entry = self.local.get(r.key) if mine else None
             out.append(self.describe(entry, r, loaded=entry is not None))
         return out
 
-    async def get(self, name: str) -> dict[str, Any]:
-        entry = self.local.get(name)
-        record: PrefixRecord | None = entry.record if entry else None
-        if record is None:     # not here: only the store can say (StoreUnavailable if it cannot)
-            record = await self.store.get(self.fingerprint, name)
-        if record is None:
-            raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
+    async def get(self, name: str, owner: str | None = None, tenant: str | None = None) -> dict[str, Any]:
+        record = await self._find(name, owner, tenant)
+        entry = self.local.get(record.key)
         return self.describe(entry, record, loaded=entry is not None)

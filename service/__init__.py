@@ -5,6 +5,7 @@
     config.py     ServiceConfig (holding the EngineConfig); flags.py: flags and PREFIXSERVE_* from both
     errors.py     the OpenAI error shape and the one mapping of domain errors to HTTP
     logs.py       text or JSON log lines
+    tenants.py    Caller: a request's tenant, and the cache salts that keep tenants apart
     middleware/   access log, metrics, cross-site, keys, security headers
     openai/       the generation API: the request pipeline, schema, chat and completions
     routes/       prefixes, WebSocket, tokenize, status, the router's worker API, OpenAPI

@@ -111,7 +111,8 @@ async def _load(state: ServiceState) -> None:
     # Warm every registered prefix before /health says ready (the registry pins through the engine).
     address = f"{state.config.host}:{state.config.port}"
     registry = PrefixRegistry(await _open_store(state.config), engine, address=address,
-                              max_prefixes=state.config.max_prefixes)
+                              max_prefixes=state.config.max_prefixes,
+                              max_prefixes_per_tenant=state.config.max_prefixes_per_tenant)
     await registry.start()
     await registry.ready.wait()
     state.registry = registry

@@ -12,6 +12,8 @@ from typing import Any
 from engine.config import EngineConfig, knob
 
 LOG_FORMATS = ("text", "json")
+CACHE_ISOLATION = ("tenant", "shared")
+_TENANT_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # A key is an RFC 7230 token: browsers send it as a WebSocket subprotocol, which must be one.
 _KEY_RE = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]+")
@@ -41,6 +43,17 @@ class ServiceConfig:
                                         "page's files) then needs `Authorization: Bearer <key>`")
     admin_key: tuple[str, ...] = knob((), "admin keys, comma-separated: then required for registry writes and "
                                           "to read a prefix's source; an admin key is also an API key")
+    tenant_keys: tuple[str, ...] = knob((), "named tenants, comma-separated NAME:KEY pairs: keys that share a "
+                                            "NAME are one tenant (one cache, one set of named prefixes); every "
+                                            "other key is a tenant of its own. Each KEY is also an API key")
+    cache_isolation: str = knob("tenant", "with keys, whether each tenant's prompts are a miss for the others in "
+                                          "the prefix cache (tenant) or all share one cache (shared)",
+                                CACHE_ISOLATION)
+    max_prefixes_per_tenant: int = knob(64, "most prefixes one tenant may keep registered (prompt_cache_key "
+                                            "leases included); beyond it 507")
+    max_lease_seconds: float = knob(7 * 86400.0, "longest ttl_seconds a prefix lease may ask for")
+    prompt_cache_ttl: float = knob(600.0, "seconds a prompt_cache_key lease lasts after its last hit, for "
+                                          "prompt_cache_retention in_memory (the default); 24h leases last 86400")
     metrics_require_key: bool = knob(True, "/metrics needs a key like the API (with --api-key set)")
     allowed_origins: tuple[str, ...] = knob((), "web origins allowed cross-origin (CORS) and on the WebSocket, "
                                                 "comma-separated, e.g. https://app.example.com; * for any")
@@ -59,6 +72,12 @@ class ServiceConfig:
             (self.max_choices >= 1, "max_choices must be >= 1"),
             (self.max_prefixes >= 1, "max_prefixes must be >= 1"),
             (self.max_ws_generations >= 1, "max_ws_generations must be >= 1"),
+            (self.max_prefixes_per_tenant >= 1, "max_prefixes_per_tenant must be >= 1"),
+            (self.max_lease_seconds >= 1, "max_lease_seconds must be >= 1"),
+            (1 <= self.prompt_cache_ttl <= self.max_lease_seconds,
+             "prompt_cache_ttl must be within [1, max_lease_seconds]"),
+            (self.cache_isolation in CACHE_ISOLATION,
+             f"cache_isolation must be one of {CACHE_ISOLATION}, got {self.cache_isolation!r}"),
             (self.served_model_name is None or bool(self.served_model_name.strip()),
              "served_model_name must not be blank"),
             (self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -69,6 +88,11 @@ class ServiceConfig:
         for name in ("api_key", "admin_key"):
             checks += [(_KEY_RE.fullmatch(k) is not None, f"{name}: a key must be letters, digits or "
                         "!#$%&'*+-.^_`|~ (it may travel as a WebSocket subprotocol)") for k in getattr(self, name)]
+        for pair in self.tenant_keys:
+            name, _, key = pair.partition(":")
+            checks.append((_TENANT_RE.fullmatch(name) is not None and _KEY_RE.fullmatch(key) is not None,
+                           "tenant_keys: each entry is NAME:KEY, NAME of letters, digits, _ or - (at most 64), "
+                           "KEY as for api_key"))
         self.allowed_origins = tuple(o.lower().rstrip("/") for o in self.allowed_origins)
         checks += [(o == "*" or _ORIGIN_RE.fullmatch(o) is not None, f"allowed_origins: {o!r} is not an "
                     "origin (scheme://host[:port], or *)") for o in self.allowed_origins]

@@ -22,6 +22,7 @@ from engine.errors import CapacityExceeded, EngineDead, EngineError, InvalidRequ
 from prefix_store.errors import (
     InvalidPrefix,
     PrefixConflict,
+    PrefixForbidden,
     PrefixNotFound,
     RegistryError,
     RegistryFull,
@@ -69,6 +70,7 @@ _HTTP: list[tuple[type[Exception], int, str, str | None, dict[str, str]]] = [
     (RegistryFull, 507, "insufficient_storage", "registry_full", {}),
     (InvalidPrefix, 400, "invalid_request_error", "invalid_prefix", {}),
     (PrefixConflict, 409, "conflict_error", "prefix_conflict", {}),
+    (PrefixForbidden, 403, "permission_error", "prefix_forbidden", {}),
     (StoreUnavailable, 503, "service_unavailable", "prefix_store_unavailable", {"Retry-After": "2"}),
     (RegistryError, 400, "invalid_request_error", None, {}),
 ]

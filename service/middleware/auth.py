@@ -16,6 +16,10 @@ Roles, from the presented key:
     no / another key, no API keys set  -> anonymous (may do what needs no key)
     no / another key, API keys set     -> 401 before any handler runs
 
+Tenants (service/tenants.py): every key is a tenant of its own, or of the group `--tenant-keys` names
+for it; keyless callers (where no API key is needed) are one tenant. The middleware puts the caller
+(`tenants.CALLER`: tenant, admin or not) on the request.
+
 Open to everyone: GET /health, and the demo page with its static files (they hold no data; the page
 asks for the key). /metrics is open unless `metrics_require_key`. With admin keys configured, the
 registry writes and cache flushes (ADMIN_ROUTES) need the admin role: 403 for a user, 401 for anonymous; reading a
@@ -35,6 +39,7 @@ from aiohttp import web
 
 from service.config import ServiceConfig
 from service.errors import ApiError
+from service.tenants import ANONYMOUS, CALLER, Caller, key_tenant
 
 Role = Literal["admin", "user", "anonymous"]
 
@@ -43,8 +48,9 @@ WS_KEY_PROTOCOL = "openai-insecure-api-key."
 OPEN_ROUTES = frozenset({"/health", "/", "/static"})
 # Registry writes, and flushing the prefix cache (every client's cached prompts: the router's or an operator's
 # call, never a user's: a flush loop turns another client's cached TTFT of 0.16 s into 5.9 s)
-ADMIN_ROUTES = frozenset({("POST", "/v1/prefixes"), ("DELETE", "/v1/prefixes/{name}"), ("POST", "/flush_cache"),
-                          ("POST", "/reset_prefix_cache"), ("GET", "/get_load")})    # and the replica's load
+# (a tenant registers, changes and deletes its own prefixes: service/routes/prefixes.py checks whose they are)
+ADMIN_ROUTES = frozenset({("POST", "/flush_cache"), ("POST", "/reset_prefix_cache"),
+                          ("GET", "/get_load")})    # and the replica's load
 
 
 def _digest(key: str) -> bytes:
@@ -55,9 +61,12 @@ class Keys:
     """The configured keys (as digests) and the policy that follows from them."""
 
     def __init__(self, config: ServiceConfig) -> None:
-        self._api = [_digest(k) for k in config.api_key]
+        grouped = dict(reversed(pair.partition(":")[::2]) for pair in config.tenant_keys)   # key -> tenant
+        self._api = [_digest(k) for k in (*config.api_key, *grouped)]
         self._admin = [_digest(k) for k in config.admin_key]
+        self._tenants = {_digest(k): name for k, name in grouped.items()}
         self._metrics_open = not config.metrics_require_key
+        self._isolated = config.cache_isolation == "tenant"
 
     @property
     def enabled(self) -> bool:
@@ -75,6 +84,16 @@ class Keys:
         if presented is not None and is_user:
             return "user" if self._admin else "admin"
         return None if self._api else "anonymous"
+
+    def caller(self, presented: str | None, role: Role) -> Caller:
+        """The tenant behind a key (see the module docstring), with its role."""
+        if not self.enabled:
+            return Caller(None, admin=True)
+        if presented is None or role == "anonymous":
+            return Caller(ANONYMOUS, admin=False, isolated=self._isolated)
+        digest = _digest(presented)
+        tenant = self._tenants.get(digest) or key_tenant(presented)
+        return Caller(tenant, admin=role == "admin", isolated=self._isolated)
 
     def is_open(self, route: str | None) -> bool:
         return route in OPEN_ROUTES or (route == "/metrics" and self._metrics_open)
@@ -120,7 +139,9 @@ async def auth_middleware(request: web.Request,
     keys = request.app[KEYS]
     route = _route(request)
     if not keys.enabled or keys.is_open(route):
-        request[ROLE] = "admin" if not keys.enabled else "anonymous"
+        open_role: Role = "admin" if not keys.enabled else "anonymous"
+        request[ROLE] = open_role
+        request[CALLER] = keys.caller(None, open_role)
         return await handler(request)
     presented = _presented(request)
     role = keys.role(presented)
@@ -133,6 +154,7 @@ async def auth_middleware(request: web.Request,
                            code="admin_key_required")
         raise _unauthorized("this operation needs an admin key: send it as `Authorization: Bearer <key>`.")
     request[ROLE] = role
+    request[CALLER] = keys.caller(presented, role)
     return await handler(request)
 
 

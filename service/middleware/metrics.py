@@ -50,6 +50,7 @@ the registry's.
 from __future__ import annotations
 
 import bisect
+import hashlib
 from collections.abc import Awaitable, Callable, Iterator
 
 from aiohttp import web
@@ -141,9 +142,9 @@ class _StateCollector(Collector):
                                    "that hit its cached blocks, by prefix", labels=["prefix"])
         saved = CounterMetricFamily("prefixserve_prefix_tokens_saved", "Prompt tokens served from a named "
                                     "prefix's cached blocks, by prefix", labels=["prefix"])
-        for name, entry in (state.registry.local.items() if state.registry is not None else ()):
-            hits.add_metric([name], entry.hit_requests)
-            saved.add_metric([name], entry.tokens_saved)
+        for key, entry in (state.registry.local.items() if state.registry is not None else ()):
+            hits.add_metric([_label(key, entry.record.owner)], entry.hit_requests)
+            saved.add_metric([_label(key, entry.record.owner)], entry.tokens_saved)
         yield hits
         yield saved
         if s.kv_events_published is not None:
@@ -152,6 +153,12 @@ class _StateCollector(Collector):
             yield CounterMetricFamily("prefixserve_kv_events_dropped", "KV event records dropped because the "
                                       "publisher fell behind (each drop is followed by AllBlocksCleared)",
                                       value=s.kv_events_dropped)
+
+
+def _label(key: str, owner: str | None) -> str:
+    """A prefix's label: its name when published; a tenant's own as a digest, so that a scrape with a user
+    key does not show one tenant's prefix names to another."""
+    return key if owner is None else "private-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 class Metrics:

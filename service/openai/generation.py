@@ -39,11 +39,13 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cache_write_tokens: int = 0     # prompt tokens this request wrote into the prefix cache (OpenAI's name)
 
     def as_dict(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens,
+                                          "cache_write_tokens": self.cache_write_tokens}}
 
 
 class Generation:
@@ -68,6 +70,7 @@ class Generation:
         self._closed = False
         self._accepted = False                    # the engine admitted every request (else none ran)
         self._cached: dict[int, int] = {}         # prompt -> prompt tokens served from the cache, as last told
+        self._written: dict[int, int] = {}        # prompt -> prompt tokens it wrote into the cache, as last told
         self._done: set[int] = set()              # prompts whose engine request finished (counted in the metrics)
         self._echo = echo                         # per prompt, its text, put before each of its choices
         self._echoed: set[int] = set()            # choices whose first delta carried the prompt
@@ -118,6 +121,7 @@ class Generation:
         prompt = self._prompt_of[out.request_id]
         self._generated[prompt] = self._metrics.progress(out, self._generated.get(prompt, 0))
         self._cached[prompt] = out.num_cached_tokens
+        self._written[prompt] = out.num_written_tokens
         if prompt not in self._started and out.num_generated_tokens:
             self._started.add(prompt)
             self._metrics.first_token(out)
@@ -142,6 +146,7 @@ class Generation:
             self._open -= 1
             self._done.add(prompt)
             self.usage.cached_tokens += out.num_cached_tokens
+            self.usage.cache_write_tokens += out.num_written_tokens
             self._metrics.request_finished(out, self._params.best_of or self.n)
             for j in range(self.n):          # every choice of a finished request ends, told or not
                 if prompt * self.n + j not in self._finished:
@@ -173,6 +178,7 @@ class Generation:
         for prompt in stopped:
             self._done.add(prompt)
             self.usage.cached_tokens += self._cached.get(prompt, 0)
+            self.usage.cache_write_tokens += self._written.get(prompt, 0)
             self._metrics.request_aborted(len(self.prompts[prompt]), self._generated.get(prompt, 0))
         if stopped and self._on_finish is not None:
             self._on_finish(self.usage)

@@ -5,8 +5,8 @@
 
 Types and ranges are the schema's (whose numeric ranges are the engine's own table); this module adds
 the rules that span fields or depend on this server (n and best_of against max_choices, max_tokens 0
-only with echo, logprobs against beam search, tool choice), and refuses the fields the engine cannot
-honour yet with a 400 naming them.
+only with echo or prompt_cache_key (a prefill that only writes the cache), logprobs against beam search,
+tool choice), and refuses the fields the engine cannot honour yet with a 400 naming them.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from engine.errors import InvalidRequest
 from engine.sample.structured import StructuredSpec
 from engine.sequence import SamplingParams
 from service.errors import ApiError, invalid
-from service.openai.schema import ChatCompletionRequest, CompletionRequest, NamedToolChoice, parse_model
+from service.openai.schema import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _PromptCache, parse_model
 from service.openai.tools import ToolPlan, named_schema, required_schema
 
 
@@ -35,6 +35,9 @@ class GenerationRequest:
     user: str | None = None
     echo: bool = False              # completions: the prompt goes before each choice's text (and logprobs)
     tools: ToolPlan | None = None   # chat: how the answer calls tools (service/openai/tools.py)
+    cache_salt: str | None = None   # the client's, narrowing its tenant's cache (service/tenants.py)
+    cache_key: str | None = None    # prompt_cache_key: lease the common prefix of its prompts
+    cache_ttl: float | None = None  # the lease's length asked for (retention / options.ttl), None: the default
 
 
 @dataclass
@@ -159,8 +162,9 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
     param = "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
-    if max_tokens == 0 and not echo:
-        raise invalid(f"{param} must be >= 1 (0 is for scoring a prompt with echo)", param)
+    if max_tokens == 0 and not echo and req.prompt_cache_key is None:
+        raise invalid(f"{param} must be >= 1 (0 is for scoring a prompt with echo, or for writing it into the "
+                      "cache with prompt_cache_key)", param)
     n = req.n or 1
     if n > max_choices:
         raise invalid(f"n must be within [1, {max_choices}]", "n")
@@ -200,7 +204,21 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
                              include_usage=bool(options and options.include_usage),
                              continuous_usage=bool(options and options.continuous_usage_stats),
                              return_token_ids=bool(req.return_token_ids), prefix=req.prefix, user=req.user,
-                             echo=echo, tools=plan)
+                             echo=echo, tools=plan, cache_salt=req.cache_salt, cache_key=req.prompt_cache_key,
+                             cache_ttl=cache_ttl(req))
+
+
+_TTL_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def cache_ttl(req: _PromptCache) -> float | None:
+    """The lease a request asks for: the longer of prompt_cache_retention (24h) and prompt_cache_options.ttl;
+    None for the server's default (in_memory)."""
+    asked = [86400.0] if req.prompt_cache_retention == "24h" else []
+    ttl = req.prompt_cache_options.ttl if req.prompt_cache_options is not None else None
+    if ttl is not None:
+        asked.append(float(int(ttl[:-1]) * _TTL_UNITS[ttl[-1]]))
+    return max(asked) if asked else None
 
 
 def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:

@@ -6,13 +6,19 @@ the router's render all take the same stages, in this order, each stage in one m
     read        read_body (here)                         408 slow body, 413        event loop
     parse       params.parse (schema.py's models)        400 naming the field      tokenizer thread
     prefix      PrefixRegistry.snapshot (prefix_store)   404 unknown prefix        event loop
+                (the caller's own, else a published one)
     limits      check_choices (here)                     400 too many choices      event loop
     tokenize    render.tokenize (chat template, prefix)  400                       tokenizer thread
+    salt        tenants.cache_salt (the caller's tenant) -                         event loop
     submit      Generation.begin (AsyncEngine.add)       400 (a grammar that does  event loop (grammars
                                                          not compile), 429, 503    compile on the engine's
                                                                                    grammar thread)
     answer      the surface's Shaper: sse.stream, or     (errors after the headers: an SSE error event)
                 Generation.collect
+
+When a request with `prompt_cache_key` ends, its prompt's common prefix with the key's earlier prompts is
+leased (PrefixRegistry.lease_cache_key): a whole answer waits for the lease (so `max_tokens: 0` warms the
+cache and says so), a stream does not.
 
 A surface hands the pipeline only its shaping (a Shaper: the id/object head, the chunks of one delta,
 the body of a whole answer), made once the request is submitted: on its way to the engine a request
@@ -33,9 +39,10 @@ from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
+from engine.errors import EngineError
 from engine.sequence import SamplingParams
-from prefix_store.errors import PrefixNotFound
-from prefix_store.registry import PrefixSnapshot
+from prefix_store.errors import PrefixNotFound, RegistryError
+from prefix_store.registry import PrefixRegistry, PrefixSnapshot
 from service.errors import ApiError, invalid
 from service.middleware.access_log import record_usage
 from service.middleware.metrics import METRICS, Metrics
@@ -44,6 +51,7 @@ from service.openai.generation import ChoiceDelta, Generation, Usage
 from service.openai.params import GenerationRequest, Parsed
 from service.openai.schema import CompletionRequest
 from service.state import STATE, Ready
+from service.tenants import Caller, cache_salt, caller_of
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -71,6 +79,9 @@ class Prepared:
     parsed: Parsed
     prompts: list[list[int]]
     ready: Ready
+    caller: Caller
+    prefix: PrefixSnapshot | None = None
+    lease: asyncio.Task[None] | None = None     # the prompt_cache_key lease, once the generation ended
 
     @property
     def req(self) -> GenerationRequest:
@@ -87,15 +98,21 @@ class Shaper(Protocol):
     def body(self, gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]: ...  # all choices -> JSON
 
 
-async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool) -> Prepared:
-    """parse -> prefix -> limits -> tokenize (the module docstring's stages)."""
+async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, caller: Caller) -> Prepared:
+    """parse -> prefix -> limits -> tokenize -> salt (the module docstring's stages)."""
     max_choices = ready.config.max_choices
     parsed = await off_loop(ready.executor, lambda: params.parse(raw, chat, ready.model_name, max_choices,
                                                                  ready.config.strict_fields))
-    prefix = _snapshot(ready, parsed.req.prefix)
+    prefix = _snapshot(ready, parsed.req.prefix, caller)
     check_choices(parsed.num_prompts, parsed.req.params, max_choices)
+    ttl = parsed.req.cache_ttl
+    if ttl is not None and ttl > ready.config.max_lease_seconds:
+        raise invalid(f"the prompt cache lifetime asked for ({ttl:g} s) is over this server's longest lease "
+                      f"({ready.config.max_lease_seconds:g} s)", "prompt_cache_options")
     tokenizer = ready.engine.tokenizer
-    return Prepared(parsed, await off_loop(ready.executor, lambda: render.tokenize(parsed, tokenizer, prefix)), ready)
+    prompts = await off_loop(ready.executor, lambda: render.tokenize(parsed, tokenizer, prefix))
+    parsed.req.params.cache_salt = cache_salt(caller, parsed.req.cache_salt, prefix, ready.engine.block_size)
+    return Prepared(parsed, prompts, ready, caller, prefix)
 
 
 def ignored_fields(names: list[str]) -> dict[str, str]:
@@ -106,12 +123,12 @@ def ignored_fields(names: list[str]) -> dict[str, str]:
     return {IGNORED_HEADER: ", ".join(names)}
 
 
-def _snapshot(ready: Ready, name: str | None) -> PrefixSnapshot | None:
+def _snapshot(ready: Ready, name: str | None, caller: Caller) -> PrefixSnapshot | None:
     if name is None:
         return None
     if ready.registry is None:
         raise PrefixNotFound(f"prefix {name!r} is not registered", param="prefix")
-    return ready.registry.snapshot(name)
+    return ready.registry.snapshot(name, caller.owner)
 
 
 def check_choices(num_prompts: int, sampling: SamplingParams, max_choices: int) -> None:
@@ -123,11 +140,29 @@ def check_choices(num_prompts: int, sampling: SamplingParams, max_choices: int) 
 
 
 def _on_finish(prepared: Prepared) -> Callable[[Usage], Any] | None:
-    """A request that named a prefix is counted against it when it ends (the per-prefix metrics)."""
-    registry, name = prepared.ready.registry, prepared.req.prefix
-    if registry is None or name is None:
+    """When a request ends: one that named a prefix is counted against it (the per-prefix metrics, its
+    lease); one with prompt_cache_key leases its prompt's common prefix with the key's earlier ones."""
+    registry, prefix, req = prepared.ready.registry, prepared.prefix, prepared.req
+    if registry is None or (prefix is None and req.cache_key is None):
         return None
-    return lambda usage: registry.record_use(name, usage.cached_tokens)
+
+    def finished(usage: Usage) -> None:
+        if prefix is not None:
+            registry.record_use(prefix.key, usage.cached_tokens)
+        if req.cache_key is not None and prepared.prompts:
+            ttl = req.cache_ttl or prepared.ready.config.prompt_cache_ttl
+            prepared.lease = asyncio.create_task(_lease(registry, prepared, req.cache_key, ttl))
+    return finished
+
+
+async def _lease(registry: PrefixRegistry, prepared: Prepared, key: str, ttl: float) -> None:
+    """Best effort: a lease the caps refuse (pinned blocks, prefixes per tenant) leaves the cache as it is."""
+    caller = prepared.caller
+    try:
+        await registry.lease_cache_key(caller.owner, caller.salt(prepared.req.cache_salt), key,
+                                       prepared.prompts[0], ttl)
+    except (EngineError, RegistryError) as exc:
+        log.info("prompt_cache_key lease not kept: %s", exc)
 
 
 async def submit(prepared: Prepared, metrics: Metrics) -> Generation:
@@ -161,7 +196,7 @@ async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], S
     ready = request.app[STATE].ready()
     with ready.engine.arriving():       # a burst of requests is prefilled together (AsyncEngine.arriving)
         raw = await read_body(request, ready.config.body_timeout)
-        prepared = await prepare(ready, raw, chat)
+        prepared = await prepare(ready, raw, chat, caller_of(request))
     gen = await submit(prepared, request.app[METRICS])      # adds before its first await: no gap to miss
     headers = ignored_fields(prepared.parsed.ignored)
     try:
@@ -172,6 +207,8 @@ async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], S
                 if prepared.req.continuous_usage else (lambda d: shape.chunks(gen, d))
             return await sse.stream(request, gen, chunks, usage_chunk, ready.config.keepalive_interval, headers)
         choices = await gen.collect()
+        if prepared.lease is not None:
+            await asyncio.shield(prepared.lease)
         return web.json_response({**shape.body(gen, choices), "usage": gen.usage.as_dict()}, headers=headers)
     finally:
         gen.close()

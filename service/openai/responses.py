@@ -45,6 +45,7 @@ from service.openai.pipeline import Prepared, off_loop, read_body
 from service.openai.schema import ResponsesRequest, parse_model
 from service.openai.sse import KEEPALIVE, SSE_HEADERS
 from service.state import STATE
+from service.tenants import caller_of
 
 RESPONSE_STORE_MAX = 1024                 # stored responses per replica
 RESPONSE_STORE_BYTES = 64 * 2**20         # and their conversations' text, in all
@@ -130,10 +131,14 @@ def _chat_body(body: ResponsesRequest, history: list[dict[str, Any]]) -> dict[st
             chat["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": fmt.name, "schema": fmt.schema_, **({"strict": fmt.strict} if fmt.strict is not None else {})}}
     for src, dst in (("parallel_tool_calls", "parallel_tool_calls"), ("temperature", "temperature"),
-                     ("top_p", "top_p"), ("max_output_tokens", "max_tokens"), ("seed", "seed"), ("prefix", "prefix")):
+                     ("top_p", "top_p"), ("max_output_tokens", "max_tokens"), ("seed", "seed"), ("prefix", "prefix"),
+                     ("prompt_cache_key", "prompt_cache_key"), ("prompt_cache_retention", "prompt_cache_retention"),
+                     ("cache_salt", "cache_salt")):
         value = getattr(body, src)
         if value is not None:
             chat[dst] = value
+    if body.prompt_cache_options is not None:
+        chat["prompt_cache_options"] = body.prompt_cache_options.model_dump(exclude_none=True)
     return chat
 
 
@@ -235,7 +240,8 @@ def _items(answer: _Answer) -> list[dict[str, Any]]:
 
 def _usage(gen: Generation) -> dict[str, Any]:
     u = gen.usage
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens,
+                                                                      "cache_write_tokens": u.cache_write_tokens},
             "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
@@ -299,7 +305,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         new = await off_loop(ready.executor, lambda: to_messages(body.input))
         chat = _chat_body(body, history + new)
         try:
-            prepared = await pipeline.prepare(ready, chat, chat=True)
+            prepared = await pipeline.prepare(ready, chat, chat=True, caller=caller_of(request))
         except ApiError as exc:          # named as this API names the field
             exc.param = _PARAMS.get(exc.param or "", exc.param)
             raise

@@ -11,6 +11,7 @@ unknown fields always.
 
 Extensions beyond the OpenAI API (vLLM's names where vLLM has the field):
   prefix                     name of a registered prefix to put before the prompt (ours)
+  cache_salt                 narrows the prefix cache within the caller's tenant (vLLM's; service/tenants.py)
   top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
   best_of (chat too), use_beam_search, length_penalty, early_stopping, return_token_ids,
   guided_json, guided_regex, guided_choice (completions), skip_special_tokens,
@@ -18,9 +19,13 @@ Extensions beyond the OpenAI API (vLLM's names where vLLM has the field):
   no_stop_trim (= include_stop_str_in_output), return_hidden_states (false only),
   separate_reasoning, stream_reasoning, include_reasoning (true only)                   (SGLang's)
 
+OpenAI's prompt caching fields are honoured: prompt_cache_key (a lease on the common prefix of the prompts that
+send it, within the caller's tenant), prompt_cache_retention and prompt_cache_options.ttl (its length); usage
+reports cached_tokens and cache_write_tokens (service/openai/pipeline.py, prefix_store/registry.py).
+
 Fields of the OpenAI SDK's request types, other servers' and clients that have no effect here (NO_EFFECT):
-  store, metadata, service_tier, reasoning_effort, verbosity, safety_identifier, prediction, prompt_cache_key,
-  prompt_cache_retention (every prompt is prefix-cached already), stream_options.include_obfuscation,
+  store, metadata, service_tier, reasoning_effort, verbosity, safety_identifier, prediction,
+  prompt_cache_options.mode, stream_options.include_obfuscation,
   priority (vLLM's), cache_prompt (llama.cpp's); in messages clients echo back: refusal, annotations, audio,
   reasoning_content / reasoning, provider_specific_fields (litellm's). `modalities` takes ["text"] only,
   `audio` and a message's `function_call` null only, chat `echo` false only (vLLM's).
@@ -80,7 +85,7 @@ class _Strict(BaseModel):
 
 # Known fields accepted without effect on this server (the module docstring says why each).
 NO_EFFECT = ("store", "metadata", "service_tier", "reasoning_effort", "verbosity", "safety_identifier", "prediction",
-             "prompt_cache_key", "prompt_cache_retention", "priority", "cache_prompt", "include_obfuscation",
+             "mode", "priority", "cache_prompt", "include_obfuscation",
              "refusal", "annotations", "audio", "reasoning_content", "reasoning", "provider_specific_fields")
 MAX_METADATA = 16            # OpenAI's limit: 16 pairs, keys of 64 characters, values of 512
 MetadataKey = Annotated[str, Field(max_length=64)]
@@ -177,7 +182,26 @@ class StructuredOutputs(_Strict):
     model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
 
 
-class _Sampling(_Strict):
+MAX_CACHE_KEY = 1024          # prompt_cache_key and cache_salt: characters
+CacheKey = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_KEY)]
+CacheTtl = Annotated[str, Field(pattern=r"^[1-9][0-9]{0,6}[smh]$")]     # "30m" (the SDK's), "24h", "90s"
+
+
+class PromptCacheOptions(_Strict):
+    mode: Literal["implicit", "explicit"] | None = None                 # no effect: every prompt is cached
+    ttl: CacheTtl | None = None
+
+
+class _PromptCache(_Strict):
+    """The prompt caching fields (the module docstring)."""
+
+    prompt_cache_key: CacheKey | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    cache_salt: CacheKey | None = None
+
+
+class _Sampling(_PromptCache):
     """Fields shared by completions and chat."""
 
     model: str | None = None
@@ -219,8 +243,6 @@ class _Sampling(_Strict):
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA)] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     priority: int | None = None
     cache_prompt: bool | None = None
 
@@ -301,7 +323,7 @@ class ResponseTextConfig(_Strict):
     verbosity: Literal["low", "medium", "high"] | None = None       # no effect
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_PromptCache):
     model: str | None = None
     input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_INPUT_ITEMS)]
     instructions: str | None = None
@@ -323,8 +345,6 @@ class ResponsesRequest(_Strict):
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA)] | None = None
     user: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -343,6 +363,15 @@ class PrefixRequest(_Strict):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
     prompt: Annotated[str, Field(min_length=1)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    description: Annotated[str, Field(max_length=MAX_DESCRIPTION)] | None = None
+    published: bool | None = None               # admins: for every tenant (their default); users: false only
+    ttl_seconds: Annotated[float, Field(gt=0)] | None = None     # a lease (at most --max-lease-seconds)
+
+
+class PrefixPatch(_Strict):
+    """PATCH /v1/prefixes/{name}: a field given is changed (ttl_seconds null ends the lease: kept until deleted)."""
+
+    ttl_seconds: Annotated[float, Field(gt=0)] | None = None
     description: Annotated[str, Field(max_length=MAX_DESCRIPTION)] | None = None
 
 

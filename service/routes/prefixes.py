@@ -1,4 +1,11 @@
-"""HTTP handlers of the prefix registry: POST/GET /v1/prefixes, GET/DELETE /v1/prefixes/{name}."""
+"""HTTP handlers of the prefix registry: POST/GET /v1/prefixes, GET/PATCH/DELETE /v1/prefixes/{name}.
+
+Whose prefix is whose (service/tenants.py): a caller registers prefixes for its own tenant; an admin
+publishes them to every tenant (its default, or `published: false` for its own tenant's). A caller sees,
+uses, changes and deletes its own and, by name, the published ones (only an admin changes or deletes
+those); an admin sees all, and names another tenant's with `?tenant=`. Listings are paginated
+(`limit`, `after`: OpenAI's list shape) and leave out sources and block hashes (GET one for those).
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -10,8 +17,11 @@ from service.errors import ApiError, invalid
 from service.middleware.auth import is_admin
 from service.openai.pipeline import off_loop, read_body
 from service.openai.render import encode_prompt, render_messages, template_messages
-from service.openai.schema import PrefixRequest, parse_model
+from service.openai.schema import PrefixPatch, PrefixRequest, parse_model
 from service.state import STATE
+from service.tenants import ANONYMOUS, caller_of
+
+MAX_PAGE = 1000
 
 
 def _registry(request: web.Request) -> PrefixRegistry:
@@ -53,30 +63,95 @@ async def create_prefix(request: web.Request) -> web.Response:
     tokenizer = state.ready_engine().tokenizer
     raw = await read_body(request, state.config.body_timeout)
     body, token_ids, source = await off_loop(state.tokenizer_executor, lambda: _render(raw, tokenizer))
-    record, created = await registry.register(body.name, token_ids, source, body.description)
-    entry = registry.local.get(body.name)
-    return web.json_response(registry.describe(entry, record, loaded=entry is not None), status=201 if created else 200)
+    caller = caller_of(request)
+    if caller.tenant == ANONYMOUS:
+        raise ApiError(401, "registering a prefix needs a key: send it as `Authorization: Bearer <key>`.",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    published = caller.tenant is None or (caller.admin if body.published is None else body.published)
+    if published and not caller.admin:
+        raise ApiError(403, "only an admin key may publish a prefix to every tenant", type="permission_error",
+                       code="admin_key_required", param="published")
+    _check_ttl(body.ttl_seconds, state.config.max_lease_seconds)
+    record, created = await registry.register(
+        body.name, token_ids, source, body.description, owner=None if published else caller.owner,
+        salt=caller.prefix_salt(body.name if published else None), ttl_seconds=body.ttl_seconds)
+    entry = registry.local.get(record.key)
+    described = registry.describe(entry, record, loaded=entry is not None)
+    return web.json_response(_visible(request, described), status=201 if created else 200)
+
+
+def _check_ttl(ttl: float | None, longest: float) -> None:
+    if ttl is not None and not 1 <= ttl <= longest:
+        raise invalid(f"ttl_seconds must be within [1, {longest:g}] (--max-lease-seconds)", "ttl_seconds")
 
 
 def _visible(request: web.Request, entry: dict[str, Any]) -> dict[str, Any]:
-    """A prefix as this caller may see it: its source text (a system prompt) only for admins."""
-    return entry if is_admin(request) else {**entry, "source": None}
+    """A prefix as this caller may see it: its source text (a system prompt) and owner only for admins."""
+    return entry if is_admin(request) else {**entry, "source": None, "owner": None}
+
+
+def _tenant(request: web.Request) -> str | None:
+    """`?tenant=`: an admin naming another tenant's prefix (a user may name only its own)."""
+    tenant = request.query.get("tenant")
+    if tenant is not None and not is_admin(request):
+        raise ApiError(403, "only an admin key may name another tenant's prefixes", type="permission_error",
+                       code="admin_key_required", param="tenant")
+    return tenant
+
+
+def _page(request: web.Request) -> tuple[int, str | None]:
+    raw = request.query.get("limit", "100")
+    if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+        raise invalid(f"limit must be an integer within [1, {MAX_PAGE}]", "limit")
+    return int(raw), request.query.get("after")
 
 
 async def list_prefixes(request: web.Request) -> web.Response:
     registry = _registry(request)
-    return web.json_response({"object": "list", "data": [_visible(request, e) for e in await registry.list()]})
+    limit, after = _page(request)
+    caller = caller_of(request)
+    entries = await registry.list(caller.owner, caller.admin)
+    ids = [_id(e) for e in entries]
+    start = ids.index(after) + 1 if after in ids else 0 if after is None else len(ids)
+    page = [{k: v for k, v in _visible(request, e).items() if k not in ("source", "block_hashes")}
+            for e in entries[start:start + limit]]
+    return web.json_response({"object": "list", "data": page, "has_more": start + limit < len(entries),
+                              "first_id": ids[start] if page else None,
+                              "last_id": ids[start + len(page) - 1] if page else None})
+
+
+def _id(entry: dict[str, Any]) -> str:
+    """A listing's cursor: unique across tenants and models."""
+    return f"{entry['fingerprint']}:{entry.get('owner') or ''}/{entry['name']}"
 
 
 async def get_prefix(request: web.Request) -> web.Response:
     registry = _registry(request)
-    return web.json_response(_visible(request, await registry.get(request.match_info["name"])))
+    caller = caller_of(request)
+    return web.json_response(_visible(request, await registry.get(request.match_info["name"], caller.owner,
+                                                                   _tenant(request))))
+
+
+async def patch_prefix(request: web.Request) -> web.Response:
+    registry = _registry(request)
+    state = request.app[STATE]
+    raw = await read_body(request, state.config.body_timeout)
+    body = parse_model(PrefixPatch, raw, strict_fields=True)
+    changes = body.model_dump(include=body.model_fields_set)
+    if not changes:
+        raise invalid("give ttl_seconds and/or description to change", "ttl_seconds")
+    _check_ttl(changes.get("ttl_seconds"), state.config.max_lease_seconds)
+    caller = caller_of(request)
+    described = await registry.update(request.match_info["name"], caller.owner, caller.admin, _tenant(request),
+                                      **changes)
+    return web.json_response(_visible(request, described))
 
 
 async def delete_prefix(request: web.Request) -> web.Response:
     registry = _registry(request)
     name = request.match_info["name"]
-    await registry.delete(name)
+    caller = caller_of(request)
+    await registry.delete(name, caller.owner, caller.admin, _tenant(request))
     return web.json_response({"name": name, "object": "prefix", "deleted": True})
 
 
@@ -84,4 +159,5 @@ def setup(app: web.Application) -> None:
     app.router.add_post("/v1/prefixes", create_prefix)
     app.router.add_get("/v1/prefixes", list_prefixes)
     app.router.add_get("/v1/prefixes/{name}", get_prefix)
+    app.router.add_patch("/v1/prefixes/{name}", patch_prefix)
     app.router.add_delete("/v1/prefixes/{name}", delete_prefix)

@@ -40,6 +40,7 @@ from service.openai import pipeline
 from service.openai.generation import Generation
 from service.openai.logprobs import chat_logprobs
 from service.state import STATE
+from service.tenants import caller_of
 
 
 @dataclass
@@ -121,7 +122,8 @@ class Session:
         gid = live.gid
         try:
             ready = self.state.ready()
-            prepared = await pipeline.prepare(ready, live.body, chat="messages" in live.body)
+            prepared = await pipeline.prepare(ready, live.body, chat="messages" in live.body,
+                                              caller=caller_of(self.request))
             pipeline.ignored_fields(prepared.parsed.ignored)        # the log line (the done frame names them)
             gen = pipeline.generation(prepared, self.request.app[METRICS])
             live.gen, live.reasons = gen, [None] * gen.num_choices

@@ -40,6 +40,7 @@ from service.middleware.auth import is_admin
 from service.openai.params import GenerationRequest
 from service.openai.pipeline import prepare, read_body
 from service.state import STATE
+from service.tenants import caller_of
 
 
 def setup(app: web.Application) -> None:
@@ -136,7 +137,8 @@ def _generate_request(request_id: str, token_ids: list[int], req: GenerationRequ
 
 async def render_completion(request: web.Request) -> web.Response:
     ready = request.app[STATE].ready()
-    prepared = await prepare(ready, await read_body(request, ready.config.body_timeout), chat=False)
+    prepared = await prepare(ready, await read_body(request, ready.config.body_timeout), chat=False,
+                             caller=caller_of(request))
     rid = uuid.uuid4().hex
     return web.json_response([_generate_request(f"cmpl-{rid}-{i}", p, prepared.req, ready.model_name)
                               for i, p in enumerate(prepared.prompts)])
@@ -144,7 +146,8 @@ async def render_completion(request: web.Request) -> web.Response:
 
 async def render_chat(request: web.Request) -> web.Response:
     ready = request.app[STATE].ready()
-    prepared = await prepare(ready, await read_body(request, ready.config.body_timeout), chat=True)
+    prepared = await prepare(ready, await read_body(request, ready.config.body_timeout), chat=True,
+                             caller=caller_of(request))
     (prompt,) = prepared.prompts
     return web.json_response(_generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt, prepared.req,
                                                ready.model_name))

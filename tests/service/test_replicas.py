@@ -32,9 +32,16 @@ def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "") ->
 
 
 def listed(srv: ServerProcess, name: str) -> dict | None:
+    """The prefix as the listing shows it, as GET /v1/prefixes/{name} does when it is loaded (block hashes
+    and sources are not in listings)."""
     status, body = http("GET", f"{srv.url}/v1/prefixes", timeout=10)
     assert status == 200, body
-    return next((p for p in body["data"] if p["name"] == name), None)
+    entry = next((p for p in body["data"] if p["name"] == name), None)
+    if entry is None or not entry["loaded"]:
+        return entry                     # another model's: GET names this model's prefixes only
+    status, one = http("GET", f"{srv.url}/v1/prefixes/{name}", timeout=10)
+    assert status == 200, one
+    return one
 
 
 def cached(srv: ServerProcess, prompt: str = "?", prefix: str | None = None, model: str = "llama") -> int:

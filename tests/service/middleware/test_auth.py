@@ -123,9 +123,10 @@ def test_websocket_handshake_never_echoes_the_key(srv: ServerThread) -> None:
         resp.close()
 
 
-def test_registry_writes_and_source_need_an_admin_key(srv: ServerThread) -> None:
+def test_publishing_and_source_need_an_admin_key(srv: ServerThread) -> None:
     body = {"name": "terse", "prompt": PREFIX}
-    resp = requests.post(f"{srv.url}/v1/prefixes", json=body, headers=bearer(USER), timeout=30)
+    resp = requests.post(f"{srv.url}/v1/prefixes", json={**body, "published": True}, headers=bearer(USER),
+                         timeout=30)
     assert resp.status_code == 403 and resp.json()["error"]["type"] == "permission_error"
     assert resp.json()["error"]["code"] == "admin_key_required"
     assert_401(requests.post(f"{srv.url}/v1/prefixes", json=body, timeout=30))
@@ -134,8 +135,9 @@ def test_registry_writes_and_source_need_an_admin_key(srv: ServerThread) -> None
     try:
         user_list = requests.get(f"{srv.url}/v1/prefixes", headers=bearer(USER), timeout=10).json()["data"]
         admin_list = requests.get(f"{srv.url}/v1/prefixes", headers=bearer(ADMIN), timeout=10).json()["data"]
-        assert [p["source"] for p in user_list] == [None] and admin_list[0]["source"] == {"prompt": PREFIX}
+        assert all("source" not in p for p in user_list + admin_list)           # listings never carry sources
         assert user_list[0]["num_tokens"] == admin_list[0]["num_tokens"] > 0      # the rest is visible
+        assert user_list[0]["published"] is True
         assert PREFIX[:20] not in requests.get(f"{srv.url}/v1/prefixes/terse", headers=bearer(USER), timeout=10).text
         one = requests.get(f"{srv.url}/v1/prefixes/terse", headers=bearer(ADMIN), timeout=10).json()
         assert one["source"] == {"prompt": PREFIX}
@@ -161,8 +163,8 @@ def test_metrics_may_be_left_open_and_without_admin_keys_a_key_does_all(tiny_lla
         resp = requests.post(f"{other.url}/v1/prefixes", json={"name": "p", "prompt": PREFIX}, timeout=30,
                              headers=bearer(USER))
         assert resp.status_code == 201, resp.text
-        listing = requests.get(f"{other.url}/v1/prefixes", headers=bearer(USER), timeout=10).json()["data"]
-        assert listing[0]["source"] == {"prompt": PREFIX}
+        one = requests.get(f"{other.url}/v1/prefixes/p", headers=bearer(USER), timeout=10).json()
+        assert one["source"] == {"prompt": PREFIX}
         assert requests.delete(f"{other.url}/v1/prefixes/p", headers=bearer(USER), timeout=10).status_code == 200
     finally:
         other.stop()
@@ -192,7 +194,7 @@ def test_role_table() -> None:
     assert [both.role(k) for k in (None, "x", "u", "a")] == [None, None, "user", "admin"]
     assert [api_only.role(k) for k in (None, "x", "u")] == [None, None, "admin"]
     assert [admin_only.role(k) for k in (None, "x", "a")] == ["anonymous", "anonymous", "admin"]
-    assert admin_only.needs_admin("POST", "/v1/prefixes") and not api_only.needs_admin("POST", "/v1/prefixes")
+    assert admin_only.needs_admin("POST", "/flush_cache") and not api_only.needs_admin("POST", "/flush_cache")
     assert not both.needs_admin("POST", "/v1/completions") and both.needs_admin("DELETE", "/v1/prefixes/{name}")
 
 

@@ -102,8 +102,8 @@ def test_strict_fields_refuses_unknown_fields_by_name(strict: ServerThread, path
 
 
 def test_our_own_apis_refuse_unknown_fields_always(server: ServerThread) -> None:
-    r = _post(server, "/v1/prefixes", {"name": "x", "prompt": "hello", "ttl_seconds": 5})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "ttl_seconds"
+    r = _post(server, "/v1/prefixes", {"name": "x", "prompt": "hello", "expires_in": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "expires_in"
     r = _post(server, "/tokenize", {"prompt": "hello", "add_bos": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "add_bos"
 
