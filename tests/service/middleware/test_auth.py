@@ -195,7 +195,8 @@ def test_role_table() -> None:
     assert [api_only.role(k) for k in (None, "x", "u")] == [None, None, "admin"]
     assert [admin_only.role(k) for k in (None, "x", "a")] == ["anonymous", "anonymous", "admin"]
     assert admin_only.needs_admin("POST", "/flush_cache") and not api_only.needs_admin("POST", "/flush_cache")
-    assert not both.needs_admin("POST", "/v1/completions") and both.needs_admin("DELETE", "/v1/prefixes/{name}")
+    assert not both.needs_admin("POST", "/v1/completions") and both.needs_admin("POST", "/reset_prefix_cache")
+    assert not both.needs_admin("DELETE", "/v1/prefixes/{name}")      # a tenant deletes its own (routes check)
 
 
 def test_flushing_the_cache_is_for_admins(srv: ServerThread) -> None:
