@@ -46,7 +46,8 @@ def complete(srv: ServerThread, key: str, prompt: str, max_tokens: int = 1, **ex
 
 
 def api(srv: ServerThread, method: str, path: str, key: str, body: dict | None = None) -> requests.Response:
-    return requests.request(method, f"{srv.url}{path}", json=body, timeout=60, headers={"Authorization": f"Bearer {key}"})
+    return requests.request(method, f"{srv.url}{path}", json=body, timeout=60,
+                            headers={"Authorization": f"Bearer {key}"})
 
 
 def names(srv: ServerThread, key: str) -> list[str]:
