@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -250,3 +251,44 @@ def test_an_undecodable_record_is_skipped_and_never_blocks_warming(tiny_llama_di
         client.close()
     finally:
         second.stop()
+
+
+def test_tenants_and_leases_across_replicas(tiny_llama_dir: Path, redis: RedisServer) -> None:
+    """Two replicas with two tenant keys on one Redis: a tenant's prefix registered on one is its own on the
+    other too (a miss for the other tenant, whose prompts are salted apart on both), and a lease ends on both."""
+    keys = ["--api-key", "ta,tb", "--no-metrics-require-key"]
+    a = ServerProcess(replica_args(tiny_llama_dir, redis.url) + keys).start(wait_ready=False)
+    b = ServerProcess(replica_args(tiny_llama_dir, redis.url) + keys).start(wait_ready=False)
+
+    def call(srv: ServerProcess, method: str, path: str, key: str, body: dict | None = None) -> tuple[int, dict]:
+        data = json.dumps(body).encode() if body else None
+        req = urllib.request.Request(f"{srv.url}{path}", method=method, data=data,
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        base = b.metric("prefixserve_kv_blocks_pinned")
+        status, rec = call(a, "POST", "/v1/prefixes", "ta", {"name": "lease", "prompt": PROMPT + " leased",
+                                                             "ttl_seconds": 3, "published": False})
+        assert status == 201 and rec["published"] is False, rec
+        wait_for(lambda: b.metric("prefixserve_kv_blocks_pinned") == base + rec["num_pinned_blocks"], what="pin on b")
+        body = {"model": "llama", "prompt": " Hi?", "max_tokens": 1, "prefix": "lease"}
+        status, out = call(b, "POST", "/v1/completions", "ta", body)
+        assert status == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert call(b, "POST", "/v1/completions", "tb", body)[0] == 404
+        unnamed = {"model": "llama", "prompt": PROMPT + " leased Hi?", "max_tokens": 1}
+        other = call(b, "POST", "/v1/completions", "tb", unnamed)[1]
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # the lease ends on both replicas: unpinned, and gone from the store
+        wait_for(lambda: a.metric("prefixserve_kv_blocks_pinned") == base
+                 and b.metric("prefixserve_kv_blocks_pinned") == base, timeout=20, what="the lease to end")
+        assert call(a, "GET", "/v1/prefixes/lease", "ta")[0] == call(b, "GET", "/v1/prefixes/lease", "ta")[0] == 404
+    finally:
+        a.stop()
+        b.stop()
