@@ -4,7 +4,7 @@
     prefixserve bench prefix --quick --out /tmp/results
 
 Names: throughput, memory, prefix, sharing, structured, vattention, decode (benchmarks/offline/: the engine
-in this process), routing, peers (benchmarks/served/: servers over HTTP); each writes <name>.md/.png/.json
+in this process), routing, peers, isolation (benchmarks/served/: servers over HTTP); each writes <name>.md/.png/.json
 into --out and prints `RESULT {json}` last. Delegated, with options of their own: serving
 (benchmarks/served/serving.py) and kernels (benchmarks/offline/kernels.py, CUDA only).
 """
@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 OFFLINE = ("throughput", "memory", "prefix", "sharing", "structured", "vattention", "decode", "kernels")
-SERVED = ("routing", "peers", "serving")
-OURS = ("throughput", "memory", "prefix", "sharing", "structured", "routing", "vattention", "decode", "peers")
+SERVED = ("routing", "peers", "serving", "isolation")
+OURS = ("throughput", "memory", "prefix", "sharing", "structured", "routing", "vattention", "decode", "peers",
+        "isolation")
 DELEGATED = ("serving", "kernels")
 
 

@@ -228,3 +228,13 @@ def test_decode_bench_on_a_tiny_checkpoint(tiny_llama_dir: Path, tmp_path: Path,
     assert [r["name"] for r in rows] == ["prefixserve, none", "prefixserve, none, compiled"]
     assert all(r["batch1_tok_s"] > 0 and r["streams16_tok_s"] > 0 and r["start_s"] > 0 for r in rows)
     assert "| prefixserve, none, compiled |" in (tmp_path / "decode.md").read_text()
+
+
+# -- isolation ------------------------------------------------------------------------------------
+def test_isolation_auc_is_mann_whitney() -> None:
+    from benchmarks.served.isolation import prompt, roc_auc
+    assert roc_auc([3.0], [1.0, 2.0]) == 1.0 and roc_auc([0.0], [1.0, 2.0]) == 0.0
+    assert roc_auc([1.0, 1.0], [1.0, 1.0]) == 0.5                  # a classifier that sees nothing
+    assert roc_auc([2.0, 0.0], [1.0]) == 0.5
+    a, b = prompt(0, 1234, 1), prompt(0, 5678, 1)
+    assert a.startswith("PIN 1234") and a[8:] == b[8:]             # the secret first, the rest the same
