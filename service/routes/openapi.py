@@ -19,7 +19,7 @@ from service.state import STATE
 
 _REF = "#/components/schemas/{model}"
 _MODELS: list[type[BaseModel]] = [schema.CompletionRequest, schema.ChatCompletionRequest, schema.ResponsesRequest,
-                                  schema.PrefixRequest,
+                                  schema.PrefixRequest, schema.PrefixPatch,
                                   schema.TokenizeCompletion, schema.TokenizeChat, schema.DetokenizeRequest]
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -117,15 +117,22 @@ def spec(model: str, max_choices: int, max_model_len: int | None, version: str =
                          "requestBody": _body("PrefixRequest"),
                          "responses": {"200": _answer("already registered with this content"),
                                        "201": _answer("registered and pinned"),
-                                       **_errors(400, 409, 413, 503, 507)}},
-                "get": {"summary": "Registered prefixes, with hits and tokens saved",
-                        "responses": {"200": _answer("the list"), **_errors(503)}}},
+                                       **_errors(400, 401, 403, 409, 413, 503, 507)}},
+                "get": {"summary": "The prefixes the caller may see, a page at a time (limit, after), with hits",
+                        "parameters": [
+                            {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
+                                                                         "maximum": 1000}},
+                            {"name": "after", "in": "query", "schema": {"type": "string"}}],
+                        "responses": {"200": _answer("the list"), **_errors(400, 503)}}},
             "/v1/prefixes/{name}": {
                 "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "get": {"summary": "One registered prefix",
-                        "responses": {"200": _answer("the prefix"), **_errors(404, 503)}},
+                        "responses": {"200": _answer("the prefix"), **_errors(403, 404, 503)}},
+                "patch": {"summary": "Change a prefix's lease (ttl_seconds) or description",
+                          "requestBody": _body("PrefixPatch"),
+                          "responses": {"200": _answer("the prefix"), **_errors(400, 403, 404, 413, 503)}},
                 "delete": {"summary": "Unregister (unpin) a prefix; its blocks become ordinary cached blocks",
-                           "responses": {"200": _answer("deleted"), **_errors(404, 503)}}},
+                           "responses": {"200": _answer("deleted"), **_errors(403, 404, 503)}}},
             **_worker_paths(),
         },
         "components": {"schemas": schemas},
