@@ -382,6 +382,8 @@ class AsyncEngine:
         if engine.has_unfinished():
             try:
                 res.outputs.extend(engine.step())
+            except EngineDead:        # a part of the engine is broken for good (the KV cache): the loop ends
+                raise
             except Exception as exc:  # a failed forward pass fails the requests in flight, not the engine
                 log.exception("engine step failed")
                 error = EngineError(f"internal error while generating: {exc}")

@@ -17,7 +17,7 @@ from kernels import Attention
 def _create(spec: CacheSpec) -> KVStore:
     from engine.kv.backends.vattention.cache import VAttentionCache
     return VAttentionCache(spec.args, spec.num_blocks, spec.block_size, spec.dtype, spec.device, spec.max_model_len,
-                           spec.max_num_seqs, ahead_tokens=spec.map_ahead_tokens)
+                           spec.max_num_seqs, ahead_tokens=spec.map_ahead_tokens, max_mappings=spec.max_mappings)
 
 
 def _attention(kernels: str) -> Attention:
