@@ -198,6 +198,10 @@ class AsyncEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except Exception:
+                if self.dead is None:
+                    raise
+                # the loop died already, and said why (`dead`): shutting down goes on
             self._task = None
         for rid, stream in list(self._streams.items()):
             stream._fail(rid, EngineDead("the engine is shutting down"))

@@ -22,7 +22,12 @@ async def health(request: web.Request) -> web.Response:
         status = "dead"
     else:
         status = "warming"
-    return web.json_response({"status": status}, status=503, headers={"Retry-After": "1"})
+    body = {"status": status}
+    if status == "dead" and state.engine is not None and state.engine.dead is not None:
+        body["reason"] = str(state.engine.dead)         # e.g. the KV cache broke for good: restart
+    elif status == "failed" and state.load_error is not None:
+        body["reason"] = state.load_error
+    return web.json_response(body, status=503, headers={"Retry-After": "1"})
 
 
 def _model_card(request: web.Request) -> dict[str, object]:
