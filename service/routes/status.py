@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from engine.errors import EngineDead
 from service import __version__
 from service.errors import ApiError
 from service.middleware.metrics import METRICS
@@ -23,10 +24,8 @@ async def health(request: web.Request) -> web.Response:
     else:
         status = "warming"
     body = {"status": status}
-    if status == "dead" and state.engine is not None and state.engine.dead is not None:
-        body["reason"] = str(state.engine.dead)         # e.g. the KV cache broke for good: restart
-    elif status == "failed" and state.load_error is not None:
-        body["reason"] = state.load_error
+    if status == "dead" and state.engine is not None and isinstance(state.engine.dead, EngineDead):
+        body["reason"] = state.engine.dead.message      # the engine's own words (a broken KV cache), no internals
     return web.json_response(body, status=503, headers={"Retry-After": "1"})
 
 

@@ -1,9 +1,10 @@
 """The vAttention backend (ASPLOS'25): each sequence's KV virtually contiguous, pages mapped on demand,
 with the prefix sharing vAttention lacks (one physical page mapped into several sequences' ranges).
 
-    cache.py    VAttentionCache: the reservation, per-layer strided views, mapping (ahead and on demand)
-    slots.py    SlotTable: which sequence holds which slot, what each slot maps (deferred reclamation)
-    vmm.py      VirtualMemory: reserve / map / unmap over Linux virtual memory (memfd + mmap MAP_FIXED)
+    cache.py        VAttentionCache: mapping (ahead and on demand) within the mapping limit, refusals, failure
+    reservation.py  Reservation: the slots' virtual range, its per-layer strided views, the move to a bigger one
+    slots.py        SlotTable: which sequence holds which slot, what each slot maps (deferred reclamation)
+    vmm.py          VirtualMemory: reserve / map / unmap over Linux virtual memory (memfd + mmap MAP_FIXED)
 """
 from __future__ import annotations
 

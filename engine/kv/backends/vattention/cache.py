@@ -1,7 +1,7 @@
 """The vAttention KV cache (kv_backend="vattention"): each sequence's KV virtually contiguous, physical
 pages mapped on demand, and shared between sequences by mapping one page at several addresses.
 
-Memory (engine/vmm.py does the mapping):
+Memory (vmm.py does the mapping, reservation.py holds the virtual range):
 
     physical pool   num_blocks pages; page b is block b of the block pool:
                     [block_size tokens, K|V, num_layers, num_kv_heads, head_dim]
@@ -28,7 +28,7 @@ Mapping off the critical path (vAttention's overlap): a decoding sequence about 
 gets its next block early (EngineCore grows it `map_ahead_tokens` ahead), and `addressing` hands pages a
 step does not read yet to a mapper thread, which maps them while the forward pass runs. Pages a step
 needs that are not mapped yet are mapped synchronously and counted (`sync_maps`); slots keep their
-mappings when their sequence ends (deferred reclamation, engine/slots.py).
+mappings when their sequence ends (deferred reclamation, slots.py).
 
 Mappings are bounded (`max_mappings`, of the process's vm.max_map_count): each run of consecutive pages
 costs at most two memory mappings (itself, and the PROT_NONE piece beside it), the reservation one more.
@@ -38,12 +38,10 @@ their requests end with HTTP 507, nothing of the step was done). It never starts
 finish within the limit.
 
 Failures leave the cache consistent: `slots.mapped` says exactly what the kernel maps, the rest of the
-reservation is PROT_NONE (vmm.py puts it back when a call fails), and the views point at the current
-reservation. The slot table grows by moving to a new reservation: the new one is reserved and mapped in
-full first, the views switch to it, and the old one is released, unmapped once no view of it is left;
-any failure before the switch gives the new one back and refuses the sequences that needed it. Where
-PROT_NONE cannot be put back (vmm.ReservationDamaged), the cache marks itself failed (`failure`): every
-later step raises EngineDead, and the service reports it (HTTP 503, /health).
+reservation is PROT_NONE (vmm.py puts it back when a call fails), and the views see a whole reservation
+(reservation.py moves them only once a bigger one is complete). Where PROT_NONE cannot be put back
+(vmm.ReservationDamaged), the cache marks itself failed (`failure`): every later step raises EngineDead,
+which the service reports (HTTP 503, /health).
 
 NOTE: ownership. `SlotTable` is touched only on the engine thread; the mapper thread only makes
 mmap calls on pages `addressing` gave it, and `addressing` waits for it before reading the table.
@@ -63,6 +61,7 @@ import torch
 
 from engine.errors import EngineDead, KVRefused
 from engine.kv.backends.base import Addressing, KVStat
+from engine.kv.backends.vattention.reservation import Reservation
 from engine.kv.backends.vattention.slots import SlotTable, runs_of
 from engine.kv.backends.vattention.vmm import OS_PAGE_BYTES, HostVirtualMemory, ReservationDamaged, map_areas_left
 from engine.kv.block_manager import Placement
@@ -116,10 +115,7 @@ class VAttentionCache:
         self.ahead_tokens = ahead_tokens
         self.limit = min(max_mappings, map_areas_left())     # memory mappings this cache may hold
         self.failure: str | None = None                       # why the cache is broken for good, if it is
-        self._retired: dict[int, int] = {}    # old reservations still in the address space -> their mappings
-        self._addr = self.vm.reserve(self._slots_bytes(num_slots))
-        self._reserved = num_slots
-        self.key_virtual, self.value_virtual = self._views(self._addr, num_slots)
+        self.range = Reservation(self.vm, num_slots, self.pages_per_slot, block_size, self.dims, dtype)
         self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vattention-map")
         self._pending: tuple[Future[tuple[list[int], str | None]], list[tuple[int, int, int, int]]] | None = None
         self.sync_maps = self.decode_stalls = self.ahead_maps = self.reused_pages = self.reclaimed_pages = 0
@@ -127,23 +123,21 @@ class VAttentionCache:
         self.sync_map_seconds = 0.0
 
     # -- virtual memory ---------------------------------------------------------------------------
-    def _slots_bytes(self, num_slots: int) -> int:
-        return num_slots * self.pages_per_slot * self.page_bytes
+    @property
+    def key_virtual(self) -> torch.Tensor:
+        return self.range.key
 
-    def _page_addr(self, slot: int, page: int, base: int | None = None) -> int:
-        return (self._addr if base is None else base) + (slot * self.pages_per_slot + page) * self.page_bytes
+    @property
+    def value_virtual(self) -> torch.Tensor:
+        return self.range.value
 
-    def _views(self, addr: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        virt = self.vm.view(addr, self._slots_bytes(num_slots), self.dtype).view(num_slots, self.slot_len, *self.dims)
-        # per layer [num_slots, slot_len, Hkv, D] (strided: a token row is 2 * L * Hkv * D apart)
-        return virt[:, :, 0].permute(2, 0, 1, 3, 4), virt[:, :, 1].permute(2, 0, 1, 3, 4)
+    def _page_addr(self, slot: int, page: int) -> int:
+        return self.range.page_addr(slot, page)
 
     def map_areas(self, runs: int | None = None) -> int:
         """Memory mappings the cache holds (with `runs` runs mapped instead of the table's): two per run at
         most, one for the reservation, and those of old reservations not gone yet (still viewed, or leaked)."""
-        for addr in [a for a in self._retired if not self.vm.holds(a)]:
-            del self._retired[addr]
-        return 2 * (self.slots.num_runs if runs is None else runs) + 1 + sum(self._retired.values())
+        return 2 * (self.slots.num_runs if runs is None else runs) + 1 + self.range.retired_areas()
 
     def _fail(self, reason: str) -> NoReturn:
         self.failure = reason
@@ -158,40 +152,21 @@ class VAttentionCache:
         """Moves to a reservation of every slot the table has (the busy slots' pages mapped again in place, the
         free slots' stale mappings left behind), or refuses `newcomers` (the sequences in the new slots) with
         nothing changed."""
-        num_slots, nbytes = self.slots.num_slots, self._slots_bytes(self.slots.num_slots)
-        busy = {s for s in self.slots.slot_of.values() if s < self._reserved}
+        num_slots = self.slots.num_slots
+        busy = {s for s in self.slots.slot_of.values() if s < self.range.num_slots}
         runs = [(s, j, b, k) for s in sorted(busy) for j, b, k in self.slots.runs(s)]
         cost = 2 * len(runs) + 1                                # the new reservation, beside the old one
         if self.map_areas() + cost > self.limit:
             raise self._refuse(newcomers, f"{num_slots} slots would take more than the limit of {self.limit} memory "
                                           "mappings (--vattention-max-mappings); retry later")
+        old_slots = self.range.num_slots
         try:
-            addr = self.vm.reserve(nbytes)
-        except OSError as exc:
-            raise self._refuse(newcomers, f"reserving {num_slots} slots failed ({exc})") from exc
-        try:
-            for s, j, b, k in runs:
-                self.vm.map(self._page_addr(s, j, addr), b, k)
-            views = self._views(addr, num_slots)
-        except ReservationDamaged as exc:       # never touched again; counted for as long as the process lives
-            self.vm.abandon(addr)
-            self._retired[addr] = cost
-            raise self._refuse(newcomers, f"mapping {num_slots} slots failed ({exc})") from exc
-        except BaseException as exc:
-            self.vm.release(addr, nbytes)       # nothing views it yet: unmapped now
-            self._retired[addr] = cost          # (until it is gone; for good if munmap failed)
-            if isinstance(exc, OSError):
-                raise self._refuse(newcomers, f"mapping {num_slots} slots failed ({exc})") from exc
-            raise
-        # the switch: nothing below can fail
-        old, old_cost = (self._addr, self._slots_bytes(self._reserved)), 2 * self.slots.num_runs + 1
-        for s in range(self._reserved):
+            self.range.move(num_slots, runs, cost, 2 * self.slots.num_runs + 1)
+        except (OSError, ReservationDamaged) as exc:
+            raise self._refuse(newcomers, f"moving to {num_slots} slots failed ({exc})") from exc
+        for s in range(old_slots):
             if s not in busy:
-                self.slots.clear(s, 0, self.pages_per_slot)
-        self._addr, self._reserved = addr, num_slots
-        self.key_virtual, self.value_virtual = views
-        self._retired[old[0]] = old_cost
-        self.vm.release(*old)                   # unmapped once no view of it is left
+                self.slots.clear(s, 0, self.pages_per_slot)     # left behind with the old range
 
     # -- one step ---------------------------------------------------------------------------------
     def layers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +180,8 @@ class VAttentionCache:
             raise EngineDead(f"the vAttention KV cache is broken ({self.failure}); restart the server")
         self._finish_ahead()
         slots = [self.slots.slot_of[sid] for sid in seq_ids]
-        if max(slots) >= self._reserved:                    # forks outnumbered the slots: the table grew
-            self._grow([sid for sid, s in zip(seq_ids, slots) if s >= self._reserved])
+        if max(slots) >= self.range.num_slots:              # forks outnumbered the slots: the table grew
+            self._grow([sid for sid, s in zip(seq_ids, slots) if s >= self.range.num_slots])
         needs = []
         for sid, slot, table, n, dec in zip(seq_ids, slots, tables, seq_lens, decoding):
             needed, missing = -(-n // self.block_size), self.slots.missing(slot, table)
@@ -305,7 +280,7 @@ class VAttentionCache:
 
     def _reclaim(self, wanted: int, busy: dict[int, int]) -> None:
         """Undo stale mappings, the most stale first, until `wanted` new runs fit the limit with room."""
-        goal = (int(self.limit * 0.75) - 1 - sum(self._retired.values())) // 2 - wanted
+        goal = (int(self.limit * 0.75) - 1 - self.range.retired_areas()) // 2 - wanted
         for slot, first, count in self.slots.reclaimable(busy):
             if self.slots.num_runs <= goal:
                 break
@@ -326,7 +301,7 @@ class VAttentionCache:
         live = sum(blocks_of(seq_id) for seq_id in self.slots.slot_of)
         return {
             "page_bytes": KVStat("gauge", self.page_bytes, "Bytes of one page (block_size tokens, all layers)"),
-            "num_slots": KVStat("gauge", self._reserved, "vAttention slots reserved (virtual address space)"),
+            "num_slots": KVStat("gauge", self.range.num_slots, "vAttention slots reserved (virtual address space)"),
             "busy_slots": KVStat("gauge", len(self.slots.slot_of), "vAttention slots held by a sequence"),
             "mapped_pages": KVStat("gauge", self.slots.num_mapped, "vAttention page mappings in place (in use and "
                                    "kept for reuse)"),

@@ -104,8 +104,12 @@ class VirtualMemory(Protocol):
         """Give a reservation (and whatever is mapped in it) back, once no view of it is left."""
         ...
 
+    def abandon(self, addr: int) -> None:
+        """Forget a damaged reservation without unmapping it (whatever fills its hole is not ours)."""
+        ...
+
     def holds(self, addr: int) -> bool:
-        """The reservation at `addr` is still in the address space (not released, or still viewed)."""
+        """The reservation at `addr` is still in the address space (not released, still viewed, or leaked)."""
         ...
 
     def map(self, addr: int, page: int, count: int = 1) -> None:
@@ -231,7 +235,7 @@ class HostVirtualMemory:
         try:
             sys_mmap(addr, nbytes, PROT_NONE, RESERVE_FLAGS | MAP_FIXED, -1, 0)
         except OSError as exc:
-            raise ReservationDamaged(f"cannot put PROT_NONE back over {nbytes} bytes at {addr:#x}: {exc}") from exc
+            raise ReservationDamaged(f"cannot put PROT_NONE back over a range of {nbytes} bytes: {exc}") from exc
 
     def view(self, addr: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         rng = next((r for r in self._held.values() if r.addr <= addr and addr + nbytes <= r.addr + r.nbytes), None)

@@ -73,8 +73,8 @@ def assert_consistent(cache: VAttentionCache) -> None:
     """The kernel maps exactly what the slot table says: page j of slot s is the pool's page mapped[s][j]
     (or PROT_NONE reserved address space where it is -1), no hole anywhere in the reservation, and the
     views read every mapped page's data."""
-    pb, n = cache.page_bytes, cache._reserved * cache.pages_per_slot
-    lo = cache._addr
+    pb, n = cache.page_bytes, cache.range.num_slots * cache.pages_per_slot
+    lo = cache.range.addr
     maps = _maps(lo, lo + n * pb)
     assert maps[0][0] <= lo and maps[-1][1] >= lo + n * pb, "the reservation lost an end"
     for (_, end, *_), (start, *_) in zip(maps, maps[1:]):
@@ -93,8 +93,8 @@ def assert_consistent(cache: VAttentionCache) -> None:
     saved = pages.clone()
     pages[:] = torch.arange(cache.num_blocks, dtype=pages.dtype)[:, None]
     virt = cache.key_virtual                                     # [L, slots, slot_len, Hkv, D]
-    assert virt.data_ptr() >= lo and virt.shape[1] == cache._reserved
-    for s, row in enumerate(cache.slots.mapped[:cache._reserved]):
+    assert virt.data_ptr() >= lo and virt.shape[1] == cache.range.num_slots
+    for s, row in enumerate(cache.slots.mapped[:cache.range.num_slots]):
         for j, b in enumerate(row):
             if b >= 0:
                 assert virt[:, s, j * cache.block_size:(j + 1) * cache.block_size].eq(b).all(), (s, j, b)
