@@ -199,6 +199,10 @@ class AsyncEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except Exception:
+                if self.dead is None:
+                    raise
+                # the loop died already, and said why (`dead`): shutting down goes on
             self._task = None
         for rid, stream in list(self._streams.items()):
             stream._fail(rid, EngineDead("the engine is shutting down"))
@@ -383,6 +387,8 @@ class AsyncEngine:
         if engine.has_unfinished():
             try:
                 res.outputs.extend(engine.step())
+            except EngineDead:        # a part of the engine is broken for good (the KV cache): the loop ends
+                raise
             except Exception as exc:  # a failed forward pass fails the requests in flight, not the engine
                 log.exception("engine step failed")
                 error = EngineError(f"internal error while generating: {exc}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import CapacityExceeded, EngineError, InvalidRequest, QueueFull
+from engine.errors import CapacityExceeded, EngineError, InvalidRequest, KVRefused, QueueFull
 from engine.kv import backends as kv_backends
 from engine.kv.backends.base import CacheSpec, KVStat, KVStore, blocks_for_budget
 from engine.kv.block_manager import BlockManager
@@ -125,7 +125,7 @@ class EngineCore:
         attention = backend.attention(self.attention_backend)
         self.kv_cache: KVStore = backend.create(CacheSpec(args, num_blocks, self.block_size, dtype, config.device,
                                                           self.max_model_len, config.max_num_seqs, attention,
-                                                          config.map_ahead_tokens))
+                                                          config.map_ahead_tokens, config.vattention_max_mappings))
         self.manager = BlockManager(self.pool, self.block_size, loaded.fingerprint, config.enable_prefix_caching,
                                     self.kv_cache.placement)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -284,7 +284,13 @@ class EngineCore:
             self._grow_ahead(sched.scheduled)
         tables = [self.manager.block_table(s.seq.seq_id) for s in sched.scheduled]
         extra_rows, prompt_targets = self._prompt_logprob_rows(sched.scheduled)
-        step_logits = self.runner.execute(sched.scheduled, tables, sched.copies, extra_rows)
+        try:
+            step_logits = self.runner.execute(sched.scheduled, tables, sched.copies, extra_rows)
+        except KVRefused as exc:        # the KV cache cannot hold these: their requests end, the rest run next step
+            for s in sched.scheduled:
+                if s.seq.seq_id in exc.seq_ids and s.seq.group is not None and self.abort(s.seq.request_id, exc):
+                    out.touch(s.seq.group)
+            return out
         logits = step_logits.sample
         if step_logits.extra is not None:
             self._prompt_logprobs(step_logits.extra, prompt_targets)

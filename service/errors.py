@@ -18,7 +18,15 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.errors import CapacityExceeded, EngineDead, EngineError, InvalidRequest, PinCapExceeded, QueueFull
+from engine.errors import (
+    CapacityExceeded,
+    EngineDead,
+    EngineError,
+    InvalidRequest,
+    KVRefused,
+    PinCapExceeded,
+    QueueFull,
+)
 from prefix_store.errors import (
     InvalidPrefix,
     PrefixConflict,
@@ -64,6 +72,7 @@ _HTTP: list[tuple[type[Exception], int, str, str | None, dict[str, str]]] = [
     (QueueFull, 429, "rate_limit_error", "queue_full", {"Retry-After": str(RETRY_AFTER_S)}),
     (CapacityExceeded, 429, "rate_limit_error", "kv_cache_full", {"Retry-After": str(RETRY_AFTER_S)}),
     (PinCapExceeded, 507, "insufficient_storage", "pin_cap_exceeded", {}),
+    (KVRefused, 507, "insufficient_storage", "kv_mapping_limit", {}),
     (EngineDead, 503, "service_unavailable", "engine_dead", {}),
     (EngineError, 500, "internal_error", "engine_error", {}),
     (PrefixNotFound, 404, "not_found_error", "prefix_not_found", {}),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from engine.errors import EngineDead
 from service import __version__
 from service.errors import ApiError
 from service.middleware.metrics import METRICS
@@ -22,7 +23,10 @@ async def health(request: web.Request) -> web.Response:
         status = "dead"
     else:
         status = "warming"
-    return web.json_response({"status": status}, status=503, headers={"Retry-After": "1"})
+    body = {"status": status}
+    if status == "dead" and state.engine is not None and isinstance(state.engine.dead, EngineDead):
+        body["reason"] = state.engine.dead.message      # the engine's own words (a broken KV cache), no internals
+    return web.json_response(body, status=503, headers={"Retry-After": "1"})
 
 
 def _model_card(request: web.Request) -> dict[str, object]:

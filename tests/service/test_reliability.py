@@ -235,3 +235,50 @@ def test_degenerate_sampling_and_cross_site_posts(srv: ServerProcess) -> None:
                     assert r.status == 415
         assert http("GET", f"{srv.url}/v1/prefixes/xsite")[0] == 404
     attack(srv, lambda: asyncio.run(run()))
+
+
+def test_vattention_mappings_stay_bounded_and_health_truthful(tiny_llama_dir: Path) -> None:
+    """Issue 24, item 1, as it was found: on the vattention backend a long cached prompt, the cache flushed
+    (the prompt's pages come back out of order, one mapping each), then n=64 requests on it at once: each
+    sample maps the whole prompt into a slot of its own. Mappings are bounded (--vattention-max-mappings):
+    what cannot be mapped is refused with a 507 to its own client, nothing is left half-mapped, every later
+    request of another client succeeds with the same tokens as before, and /health stays 200 (truthfully)."""
+    args = ["--model", str(tiny_llama_dir), "--kv-backend", "vattention", "--max-model-len", "1024", "--block-size",
+            "8", "--num-kv-blocks", "1024", "--max-num-seqs", "16", "--vattention-max-mappings", "2000"]
+    long_prompt = [3 + (i * 7919) % 380 for i in range(1000)]
+    other = {"prompt": "another client's question", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def together(url: str, bodies: list[dict]) -> list[tuple[int, str]]:
+        async with _session() as sess:
+            async def one(body: dict) -> tuple[int, str]:
+                async with sess.post(f"{url}/v1/completions", json=body) as r:
+                    return r.status, await r.text()
+            return await asyncio.gather(*(one(b) for b in bodies))
+
+    with ServerProcess(args).start() as s:
+        status, before = http("POST", f"{s.url}/v1/completions", other)
+        assert status == 200, before
+        for k in range(9):                  # every page used once, freed last page first
+            prompt = long_prompt if k == 0 else [3 + (i * (31 + 2 * k)) % 380 for i in range(1000)]
+            assert http("POST", f"{s.url}/v1/completions", {"prompt": prompt, "max_tokens": 1})[0] == 200
+        assert http("POST", f"{s.url}/flush_cache")[0] == 200
+        # the long prompt again, in a slot of its own: its pages now come from the free queue, out of order
+        assert [c for c, _ in asyncio.run(together(s.url, [{"prompt": [5, 6], "max_tokens": 1},
+                                                             {"prompt": long_prompt, "max_tokens": 1}]))] == [200, 200]
+        flood = [{"prompt": long_prompt, "n": 64, "max_tokens": 4, "temperature": 1.0, "seed": i, "ignore_eos": True}
+                 for i in range(4)]
+        results = asyncio.run(together(s.url, flood))
+        assert all(code in (200, 507) for code, _ in results), results
+        assert any(code == 507 for code, _ in results), "the limit was meant to be reached"
+        for code, text in results:
+            if code == 507:
+                assert json.loads(text)["error"]["code"] == "kv_mapping_limit", text
+        assert s.metric("prefixserve_vattention_refused_seqs_total") > 0
+        assert s.metric("prefixserve_vattention_map_areas") <= 2000
+        for _ in range(3):
+            status, after = http("POST", f"{s.url}/v1/completions", other)
+            assert status == 200, after
+            assert after["choices"][0]["text"] == before["choices"][0]["text"]
+        status, again = http("POST", f"{s.url}/v1/completions", flood[0])
+        assert status in (200, 507), again
+        assert s.health() == 200 and s.metric("prefixserve_vattention_failed") == 0

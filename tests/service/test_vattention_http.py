@@ -2,12 +2,16 @@
 hit, streams, and its metrics; nothing held once requests end."""
 from __future__ import annotations
 
+import errno
 import json
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import requests
 
+from engine.kv.backends.vattention import vmm
 from tests.helpers.server import ServerThread, tiny_config
 
 SYSTEM = "You are a terse assistant for a block-paged cache. Answer in five words or fewer, always. " * 2
@@ -55,5 +59,33 @@ def test_vattention_serves_like_paged(tiny_llama_dir: Path, server: ServerThread
         assert metric(srv.url, "prefixserve_vattention_decode_stalls_total") == 0
         info = requests.get(f"{srv.url}/get_server_info", timeout=10).json()
         assert info["kv_backend"] == "vattention" and info["kv_block_size"] >= 16
+    finally:
+        srv.stop()
+
+
+def test_a_broken_kv_cache_answers_503_and_health_says_why(tiny_llama_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24, item 1: when a failed mapping leaves a range whose PROT_NONE cannot be put back (every mmap
+    fails from then on), the cache marks itself failed: the request in flight and every later one get a
+    503 naming it, and /health answers 503 with the reason instead of 200."""
+    srv = ServerThread(tiny_config(tiny_llama_dir, kv_backend="vattention")).start()
+    try:
+        body = {"prompt": "a request that needs pages mapped", "max_tokens": 4}
+        assert requests.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code == 200
+
+        def broken(*args: Any) -> int:
+            raise OSError(errno.ENOMEM, "injected: out of memory mappings")
+        monkeypatch.setattr(vmm, "sys_mmap", broken)
+        monkeypatch.setattr(vmm, "sys_madvise", broken)
+        fresh = {"prompt": "another, longer prompt that needs fresh pages " * 4, "max_tokens": 4}
+        r = requests.post(f"{srv.url}/v1/completions", json=fresh, timeout=60)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "engine_dead" and "KV cache is broken" in r.json()["error"]["message"]
+        monkeypatch.undo()                                      # mmap works again: the cache stays failed
+        r = requests.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+        health = requests.get(f"{srv.url}/health", timeout=10)
+        assert health.status_code == 503
+        assert health.json()["status"] == "dead" and "KV cache is broken" in health.json()["reason"]
     finally:
         srv.stop()

@@ -52,6 +52,7 @@ class CacheSpec:
     max_num_seqs: int
     attention: Attention                   # the backend's attention, from its getter
     map_ahead_tokens: int                  # how early a decoding sequence may get its next block
+    max_mappings: int                      # memory mappings the cache may hold (vattention)
 
 
 class KVStore(Protocol):
@@ -68,7 +69,9 @@ class KVStore(Protocol):
     def addressing(self, seq_ids: list[int], tables: list[list[int]], seq_lens: list[int],
                    seq_of_token: np.ndarray, positions: np.ndarray, decoding: list[bool]) -> Addressing:
         """Sequence i (`decoding[i]`: generating, not in its prompt) holds blocks tables[i] and
-        seq_lens[i] tokens after this step; token t belongs to sequence seq_of_token[t], at positions[t]."""
+        seq_lens[i] tokens after this step; token t belongs to sequence seq_of_token[t], at positions[t].
+        Raises KVRefused (sequences the cache cannot hold this step; nothing done for the step) or
+        EngineDead (the cache is broken for good)."""
         ...
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

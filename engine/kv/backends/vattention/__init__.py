@@ -1,9 +1,10 @@
 """The vAttention backend (ASPLOS'25): each sequence's KV virtually contiguous, pages mapped on demand,
 with the prefix sharing vAttention lacks (one physical page mapped into several sequences' ranges).
 
-    cache.py    VAttentionCache: the reservation, per-layer strided views, mapping (ahead and on demand)
-    slots.py    SlotTable: which sequence holds which slot, what each slot maps (deferred reclamation)
-    vmm.py      VirtualMemory: reserve / map / unmap over Linux virtual memory (memfd + mmap MAP_FIXED)
+    cache.py        VAttentionCache: mapping (ahead and on demand) within the mapping limit, refusals, failure
+    reservation.py  Reservation: the slots' virtual range, its per-layer strided views, the move to a bigger one
+    slots.py        SlotTable: which sequence holds which slot, what each slot maps (deferred reclamation)
+    vmm.py          VirtualMemory: reserve / map / unmap over Linux virtual memory (memfd + mmap MAP_FIXED)
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from kernels import Attention
 def _create(spec: CacheSpec) -> KVStore:
     from engine.kv.backends.vattention.cache import VAttentionCache
     return VAttentionCache(spec.args, spec.num_blocks, spec.block_size, spec.dtype, spec.device, spec.max_model_len,
-                           spec.max_num_seqs, ahead_tokens=spec.map_ahead_tokens)
+                           spec.max_num_seqs, ahead_tokens=spec.map_ahead_tokens, max_mappings=spec.max_mappings)
 
 
 def _attention(kernels: str) -> Attention:

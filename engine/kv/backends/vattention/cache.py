@@ -1,7 +1,7 @@
 """The vAttention KV cache (kv_backend="vattention"): each sequence's KV virtually contiguous, physical
 pages mapped on demand, and shared between sequences by mapping one page at several addresses.
 
-Memory (engine/vmm.py does the mapping):
+Memory (vmm.py does the mapping, reservation.py holds the virtual range):
 
     physical pool   num_blocks pages; page b is block b of the block pool:
                     [block_size tokens, K|V, num_layers, num_kv_heads, head_dim]
@@ -28,26 +28,47 @@ Mapping off the critical path (vAttention's overlap): a decoding sequence about 
 gets its next block early (EngineCore grows it `map_ahead_tokens` ahead), and `addressing` hands pages a
 step does not read yet to a mapper thread, which maps them while the forward pass runs. Pages a step
 needs that are not mapped yet are mapped synchronously and counted (`sync_maps`); slots keep their
-mappings when their sequence ends (deferred reclamation, engine/slots.py).
+mappings when their sequence ends (deferred reclamation, slots.py).
+
+Mappings are bounded (`max_mappings`, of the process's vm.max_map_count): each run of consecutive pages
+costs at most two memory mappings (itself, and the PROT_NONE piece beside it), the reservation one more.
+Before a step maps anything, `addressing` counts what it would hold afterwards; over the limit it undoes
+stale mappings, then drops the mapping ahead, then refuses the last sequences of the batch (KVRefused:
+their requests end with HTTP 507, nothing of the step was done). It never starts a mapping it cannot
+finish within the limit.
+
+Failures leave the cache consistent: `slots.mapped` says exactly what the kernel maps, the rest of the
+reservation is PROT_NONE (vmm.py puts it back when a call fails), and the views see a whole reservation
+(reservation.py moves them only once a bigger one is complete). Where PROT_NONE cannot be put back
+(vmm.ReservationDamaged), the cache marks itself failed (`failure`): every later step raises EngineDead,
+which the service reports (HTTP 503, /health).
 
 NOTE: ownership. `SlotTable` is touched only on the engine thread; the mapper thread only makes
 mmap calls on pages `addressing` gave it, and `addressing` waits for it before reading the table.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 import torch
 
+from engine.errors import EngineDead, KVRefused
 from engine.kv.backends.base import Addressing, KVStat
-from engine.kv.backends.vattention.slots import SlotTable
-from engine.kv.backends.vattention.vmm import OS_PAGE_BYTES, HostVirtualMemory, mapping_budget
+from engine.kv.backends.vattention.reservation import Reservation
+from engine.kv.backends.vattention.slots import SlotTable, runs_of
+from engine.kv.backends.vattention.vmm import OS_PAGE_BYTES, HostVirtualMemory, ReservationDamaged, map_areas_left
 from engine.kv.block_manager import Placement
 from engine.models.llama import ModelArgs
+
+log = logging.getLogger(__name__)
+Changes = dict[int, list[tuple[int, int]]]      # slot -> (page, block) to map there
 
 
 def page_block_size(args: ModelArgs, dtype: torch.dtype, block_size: int) -> int:
@@ -57,9 +78,21 @@ def page_block_size(args: ModelArgs, dtype: torch.dtype, block_size: int) -> int
     return -(-block_size // granule) * granule
 
 
+@dataclass
+class _Need:
+    """What one sequence of a step needs mapped."""
+
+    seq_id: int
+    slot: int
+    now: list[tuple[int, int]]      # (page, block) the step reads or writes: mapped before it runs
+    ahead: list[tuple[int, int]]    # (page, block) past the step's tokens: mapped by the mapper thread
+    reused: int                     # pages the step needs that are mapped in place already
+    decode: bool
+
+
 class VAttentionCache:
     def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
-                 max_model_len: int, num_slots: int, ahead_tokens: int = 0) -> None:
+                 max_model_len: int, num_slots: int, *, ahead_tokens: int = 0, max_mappings: int) -> None:
         if torch.device(device).type != "cpu":
             raise ValueError("kv_backend='vattention' runs on the CPU only for now (its CUDA VMM implementation "
                              "is not written yet); use kv_backend='paged' on GPUs")
@@ -80,36 +113,60 @@ class VAttentionCache:
         self.slots = SlotTable(num_slots, self.pages_per_slot)
         self.placement: Placement | None = self.slots     # a sequence's blocks go where its slot maps them
         self.ahead_tokens = ahead_tokens
-        self._addr = 0
-        self._reserved = 0
-        self._reserve(num_slots)
-        self.budget = mapping_budget()
+        self.limit = min(max_mappings, map_areas_left())     # memory mappings this cache may hold
+        self.failure: str | None = None                       # why the cache is broken for good, if it is
+        self.range = Reservation(self.vm, num_slots, self.pages_per_slot, block_size, self.dims, dtype)
         self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vattention-map")
-        self._pending: tuple[Future[list[tuple[int, int]]], list[tuple[int, int, int]]] | None = None
+        self._pending: tuple[Future[tuple[list[int], str | None]], list[tuple[int, int, int, int]]] | None = None
         self.sync_maps = self.decode_stalls = self.ahead_maps = self.reused_pages = self.reclaimed_pages = 0
+        self.refused_seqs = 0
         self.sync_map_seconds = 0.0
 
     # -- virtual memory ---------------------------------------------------------------------------
-    def _page_addr(self, slot: int, page: int) -> int:
-        return self._addr + (slot * self.pages_per_slot + page) * self.page_bytes
+    @property
+    def key_virtual(self) -> torch.Tensor:
+        return self.range.key
 
-    def _reserve(self, num_slots: int) -> None:
-        """(Re)build the reservation for `num_slots` slots; what was mapped is mapped again in place
-        (no data moves: the pages are the pool's)."""
-        nbytes = num_slots * self.pages_per_slot * self.page_bytes
-        old = (self._addr, self._reserved * self.pages_per_slot * self.page_bytes) if self._reserved else None
-        self._addr = self.vm.reserve(nbytes)
-        self._reserved = num_slots
-        for s, row in enumerate(self.slots.mapped[:num_slots]):
-            for j, b in enumerate(row):
-                if b >= 0:
-                    self.vm.map(self._page_addr(s, j), b)
-        if old is not None:
-            self.vm.release(*old)
-        virt = self.vm.view(self._addr, nbytes, self.dtype).view(num_slots, self.slot_len, *self.dims)
-        # per layer [num_slots, slot_len, Hkv, D] (strided: a token row is 2 * L * Hkv * D apart)
-        self.key_virtual = virt[:, :, 0].permute(2, 0, 1, 3, 4)
-        self.value_virtual = virt[:, :, 1].permute(2, 0, 1, 3, 4)
+    @property
+    def value_virtual(self) -> torch.Tensor:
+        return self.range.value
+
+    def _page_addr(self, slot: int, page: int) -> int:
+        return self.range.page_addr(slot, page)
+
+    def map_areas(self, runs: int | None = None) -> int:
+        """Memory mappings the cache holds (with `runs` runs mapped instead of the table's): two per run at
+        most, one for the reservation, and those of old reservations not gone yet (still viewed, or leaked)."""
+        return 2 * (self.slots.num_runs if runs is None else runs) + 1 + self.range.retired_areas()
+
+    def _fail(self, reason: str) -> NoReturn:
+        self.failure = reason
+        log.error("the vAttention KV cache is broken: %s", reason)
+        raise EngineDead(f"the vAttention KV cache is broken ({reason}); restart the server")
+
+    def _refuse(self, seq_ids: list[int], why: str) -> KVRefused:
+        self.refused_seqs += len(seq_ids)
+        return KVRefused(f"the vAttention KV cache cannot map this request's pages: {why}", seq_ids)
+
+    def _grow(self, newcomers: list[int]) -> None:
+        """Moves to a reservation of every slot the table has (the busy slots' pages mapped again in place, the
+        free slots' stale mappings left behind), or refuses `newcomers` (the sequences in the new slots) with
+        nothing changed."""
+        num_slots = self.slots.num_slots
+        busy = {s for s in self.slots.slot_of.values() if s < self.range.num_slots}
+        runs = [(s, j, b, k) for s in sorted(busy) for j, b, k in self.slots.runs(s)]
+        cost = 2 * len(runs) + 1                                # the new reservation, beside the old one
+        if self.map_areas() + cost > self.limit:
+            raise self._refuse(newcomers, f"{num_slots} slots would take more than the limit of {self.limit} memory "
+                                          "mappings (--vattention-max-mappings); retry later")
+        old_slots = self.range.num_slots
+        try:
+            self.range.move(num_slots, runs, cost, 2 * self.slots.num_runs + 1)
+        except (OSError, ReservationDamaged) as exc:
+            raise self._refuse(newcomers, f"moving to {num_slots} slots failed ({exc})") from exc
+        for s in range(old_slots):
+            if s not in busy:
+                self.slots.clear(s, 0, self.pages_per_slot)     # left behind with the old range
 
     # -- one step ---------------------------------------------------------------------------------
     def layers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,65 +176,118 @@ class VAttentionCache:
                    seq_of_token: np.ndarray, positions: np.ndarray, decoding: list[bool]) -> Addressing:
         """Maps what the step reads (synchronously where not done yet), hands what it does not read yet to
         the mapper; returns each new token's row in the flattened [num_slots * slot_len] view, and the slots."""
+        if self.failure is not None:
+            raise EngineDead(f"the vAttention KV cache is broken ({self.failure}); restart the server")
         self._finish_ahead()
-        if self.slots.num_slots > self._reserved:           # forks outnumbered the slots: the table grew
-            self._reserve(self.slots.num_slots)
         slots = [self.slots.slot_of[sid] for sid in seq_ids]
-        work = [(slot, self.slots.missing(slot, table), -(-n // self.block_size), len(table), dec)
-                for slot, table, n, dec in zip(slots, tables, seq_lens, decoding)]
-        new = sum(len(w[1]) for w in work)
-        if self.slots.num_mapped + new > self.budget:
-            self._reclaim(new, {w[0]: w[3] for w in work})
-        ahead: list[tuple[int, int, int]] = []
+        if max(slots) >= self.range.num_slots:              # forks outnumbered the slots: the table grew
+            self._grow([sid for sid, s in zip(seq_ids, slots) if s >= self.range.num_slots])
+        needs = []
+        for sid, slot, table, n, dec in zip(seq_ids, slots, tables, seq_lens, decoding):
+            needed, missing = -(-n // self.block_size), self.slots.missing(slot, table)
+            now = [(j, b) for j, b in missing if j < needed]
+            needs.append(_Need(sid, slot, now, [(j, b) for j, b in missing if j >= needed], needed - len(now), dec))
+        ahead = self._fit(needs, {slot: len(table) for slot, table in zip(slots, tables)})
         t0 = time.perf_counter()
-        for slot, missing, needed, _, decode in work:
-            self.reused_pages += needed - sum(1 for j, _ in missing if j < needed)
-            for j, b in missing:
-                if j < needed:
-                    self.vm.map(self._page_addr(slot, j), b)
-                    self.slots.set_mapped(slot, j, b)
-                    self.sync_maps += 1
-                    self.decode_stalls += decode
-                else:
-                    ahead.append((slot, j, b))
-        self.sync_map_seconds += time.perf_counter() - t0
-        if ahead:
-            for slot, j, b in ahead:                        # recorded now; undone if the mapper fails
-                self.slots.set_mapped(slot, j, b)
-            self._pending = (self._mapper.submit(self._map_all, [(self._page_addr(s, j), b) for s, j, b in ahead]),
-                             ahead)
+        try:
+            for need in needs:
+                self.reused_pages += need.reused
+                self._map_now(need)
+        finally:
+            self.sync_map_seconds += time.perf_counter() - t0
+        jobs = [(slot, j, b, k) for slot, pages in ahead.items() for j, b, k in runs_of(pages)]
+        if jobs:
+            for slot, j, b, k in jobs:                      # recorded now; undone if the mapper fails
+                for i in range(k):
+                    self.slots.set_mapped(slot, j + i, b + i)
+            self._pending = (self._mapper.submit(self._map_all, [(self._page_addr(s, j), b, k) for s, j, b, k in jobs]),
+                             jobs)
         rows = np.asarray(slots, dtype=np.int64)[seq_of_token] * self.slot_len + positions
         return Addressing(rows, None, slots)
 
-    def _map_all(self, jobs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """On the mapper thread: map each (address, page); returns the ones that failed."""
-        failed = []
-        for addr, page in jobs:
+    def _fit(self, needs: list[_Need], busy: dict[int, int]) -> Changes:
+        """Makes the step's mappings fit the limit, or raises KVRefused: undoes stale mappings if that helps,
+        then gives up mapping ahead, then refuses sequences from the end of the batch (the youngest).
+        Returns the mappings ahead to make."""
+        def delta(changes: Changes) -> int:
+            return sum(self.slots.runs_delta(slot, pages) for slot, pages in changes.items())
+
+        def fits(changes: Changes) -> bool:
+            d = delta(changes)
+            return d <= 0 or self.map_areas(self.slots.num_runs + d) <= self.limit
+        now = {n.slot: n.now for n in needs}
+        both = {n.slot: n.now + n.ahead for n in needs}
+        if not fits(both):
+            self._reclaim(max(0, delta(both)), busy)
+        if fits(both):
+            return {n.slot: n.ahead for n in needs if n.ahead}
+        if fits(now):
+            return {}
+        refused: list[int] = []
+        runs = self.slots.num_runs + delta(now)
+        for n in reversed(needs):
+            if self.map_areas(runs) <= self.limit:
+                break
+            d = self.slots.runs_delta(n.slot, n.now)
+            if d > 0:
+                refused.append(n.seq_id)
+                runs -= d
+        raise self._refuse(refused, f"it would take more than the limit of {self.limit} memory mappings "
+                                    f"(--vattention-max-mappings; {self.map_areas()} in use); fewer samples (n, "
+                                    "best_of) or a shorter prompt need fewer, or retry later")
+
+    def _map_now(self, need: _Need) -> None:
+        for j, b, k in runs_of(need.now):
             try:
-                self.vm.map(addr, page)
+                self.vm.map(self._page_addr(need.slot, j), b, k)
+            except OSError as exc:                          # those pages are PROT_NONE again
+                self.slots.clear(need.slot, j, k)
+                raise self._refuse([need.seq_id], f"mapping failed ({exc})") from exc
+            except ReservationDamaged as exc:
+                self._fail(str(exc))
+            for i in range(k):
+                self.slots.set_mapped(need.slot, j + i, b + i)
+            self.sync_maps += k
+            self.decode_stalls += k * need.decode
+
+    def _map_all(self, jobs: list[tuple[int, int, int]]) -> tuple[list[int], str | None]:
+        """On the mapper thread: map each (address, first page, count); returns the jobs that failed (their
+        range PROT_NONE again), and why the reservation is damaged if it is."""
+        failed = []
+        for i, (addr, page, count) in enumerate(jobs):
+            try:
+                self.vm.map(addr, page, count)
             except OSError:
-                failed.append((addr, page))
-        return failed
+                failed.append(i)
+            except ReservationDamaged as exc:
+                return failed + [i], str(exc)
+        return failed, None
 
     def _finish_ahead(self) -> None:
         if self._pending is None:
             return
         fut, jobs = self._pending
         self._pending = None
-        failed = set(fut.result())
-        for slot, j, b in jobs:
-            if (self._page_addr(slot, j), b) in failed:
-                self.slots.set_mapped(slot, j, -1)          # mapped synchronously when a step needs it
+        failed, damaged = fut.result()
+        if damaged is not None:
+            self._fail(damaged)
+        undone = set(failed)
+        for i, (slot, j, _, k) in enumerate(jobs):
+            if i in undone:
+                self.slots.clear(slot, j, k)                # mapped synchronously when a step needs it
             else:
-                self.ahead_maps += 1
+                self.ahead_maps += k
 
     def _reclaim(self, wanted: int, busy: dict[int, int]) -> None:
-        """Undo stale mappings, the most stale first, until `wanted` new ones fit the budget with room."""
-        goal = max(0, int(self.budget * 0.75) - wanted)
+        """Undo stale mappings, the most stale first, until `wanted` new runs fit the limit with room."""
+        goal = (int(self.limit * 0.75) - 1 - self.range.retired_areas()) // 2 - wanted
         for slot, first, count in self.slots.reclaimable(busy):
-            if self.slots.num_mapped <= goal:
+            if self.slots.num_runs <= goal:
                 break
-            self.vm.unmap(self._page_addr(slot, first), count * self.page_bytes)
+            try:
+                self.vm.unmap(self._page_addr(slot, first), count * self.page_bytes)
+            except ReservationDamaged as exc:
+                self._fail(str(exc))
             before = self.slots.num_mapped
             self.slots.clear(slot, first, count)
             self.reclaimed_pages += before - self.slots.num_mapped
@@ -191,7 +301,7 @@ class VAttentionCache:
         live = sum(blocks_of(seq_id) for seq_id in self.slots.slot_of)
         return {
             "page_bytes": KVStat("gauge", self.page_bytes, "Bytes of one page (block_size tokens, all layers)"),
-            "num_slots": KVStat("gauge", self._reserved, "vAttention slots reserved (virtual address space)"),
+            "num_slots": KVStat("gauge", self.range.num_slots, "vAttention slots reserved (virtual address space)"),
             "busy_slots": KVStat("gauge", len(self.slots.slot_of), "vAttention slots held by a sequence"),
             "mapped_pages": KVStat("gauge", self.slots.num_mapped, "vAttention page mappings in place (in use and "
                                    "kept for reuse)"),
@@ -208,10 +318,21 @@ class VAttentionCache:
                                       "(vm.max_map_count)"),
             "sync_map_seconds": KVStat("counter", self.sync_map_seconds, "Seconds spent mapping pages on the "
                                        "critical path"),
+            "map_areas": KVStat("gauge", self.map_areas(), "Memory mappings (kernel VMAs) the vAttention cache holds, "
+                                "at most"),
+            "mapping_limit": KVStat("gauge", self.limit, "Memory mappings the vAttention cache may hold "
+                                    "(--vattention-max-mappings, or less if the process has fewer left)"),
+            "refused_seqs": KVStat("counter", self.refused_seqs, "Sequences refused (HTTP 507) because their pages "
+                                   "could not be mapped within the limit"),
+            "failed": KVStat("gauge", float(self.failure is not None), "1 once the vAttention cache is broken for "
+                             "good (requests answer 503, /health too)"),
         }
 
     def close(self) -> None:
-        self._finish_ahead()
+        try:
+            self._finish_ahead()
+        except EngineDead:
+            pass                                            # broken already: nothing left to finish
         self._mapper.shutdown(wait=True)
 
 

@@ -17,6 +17,10 @@ The next sequence put in the slot needs no mapping where the same block comes ba
   holds no cached content (`preferred`), so nothing the prefix cache could still hit is evicted early.
 Mappings are never undone on the request path; `reclaimable` lists stale ones for when the process
 runs short of mappings (vm.max_map_count).
+
+Runs: a *run* is a stretch of pages j, j + 1, ... of one slot mapping blocks b, b + 1, ...: the kernel
+merges it into one memory mapping (VMA), so runs, not pages, are what the mapping limit counts
+(`num_runs`, kept up to date by `set_mapped` from the two neighbours of the page it changes).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ class SlotTable:
         self.slot_of: dict[int, int] = {}                  # seq_id -> slot
         self.free: OrderedDict[int, None] = OrderedDict()  # free slots, freed last first
         self.num_mapped = 0                                # entries of `mapped` that are not -1
+        self.num_runs = 0                                  # runs of consecutive blocks in `mapped` (module doc)
         self.grow(num_slots)
 
     @property
@@ -81,8 +86,29 @@ class SlotTable:
     # -- the mapper's side ----------------------------------------------------------------------
     def set_mapped(self, slot: int, index: int, block: int) -> None:
         row = self.mapped[slot]
+        before = _starts(row, index) + _starts(row, index + 1)
         self.num_mapped += (block >= 0) - (row[index] >= 0)
         row[index] = block
+        self.num_runs += _starts(row, index) + _starts(row, index + 1) - before
+
+    def runs(self, slot: int) -> list[tuple[int, int, int]]:
+        """What a slot maps, as runs (first page, first block, page count)."""
+        row = self.mapped[slot]
+        return runs_of([(j, b) for j, b in enumerate(row) if b >= 0])
+
+    def runs_delta(self, slot: int, changes: list[tuple[int, int]]) -> int:
+        """How `num_runs` would change if (page, block) `changes` were made in `slot`: only the pages around
+        them can start or stop a run, so only that window is counted."""
+        if not changes:
+            return 0
+        row = self.mapped[slot]
+        lo = max(0, min(j for j, _ in changes) - 1)
+        hi = min(len(row), max(j for j, _ in changes) + 2)
+        window = row[lo:hi]
+        after = list(window)
+        for j, b in changes:
+            after[j - lo] = b
+        return _count_runs(after) - _count_runs(window)
 
     def missing(self, slot: int, block_ids: list[int]) -> list[tuple[int, int]]:
         """(page index, block) of the pages a slot must map to hold `block_ids` from page 0."""
@@ -108,4 +134,27 @@ class SlotTable:
             self.set_mapped(slot, j, -1)
 
 
-__all__ = ["SlotTable"]
+def _starts(row: list[int], j: int) -> int:
+    """1 if a run starts at page j of `row` (mapped, and not the next block after page j - 1's)."""
+    if j >= len(row) or row[j] < 0:
+        return 0
+    return int(j == 0 or row[j - 1] < 0 or row[j - 1] + 1 != row[j])
+
+
+def _count_runs(row: list[int]) -> int:
+    return sum(_starts(row, j) for j in range(len(row)))
+
+
+def runs_of(pages: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(page, block) pairs, pages ascending, as runs (first page, first block, count): one mmap call each."""
+    out: list[tuple[int, int, int]] = []
+    for j, b in pages:
+        if out and out[-1][0] + out[-1][2] == j and out[-1][1] + out[-1][2] == b:
+            first, block, count = out[-1]
+            out[-1] = (first, block, count + 1)
+        else:
+            out.append((j, b, 1))
+    return out
+
+
+__all__ = ["SlotTable", "runs_of"]

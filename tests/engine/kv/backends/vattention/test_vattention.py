@@ -180,14 +180,22 @@ def test_a_recycled_slot_reuses_its_mapped_pages(tiny_llama_dir: Path) -> None:
 
 
 def test_stale_mappings_are_reclaimed_when_mappings_run_short(tiny_llama_dir: Path) -> None:
+    """Four requests leave their slots' mappings behind; with the mapping limit then cut (as if the process
+    had few VMAs left), the next requests, one at a time, fit by undoing those stale mappings: nobody
+    is refused, and the tokens are the paged backend's."""
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 300) for _ in range(40)] for _ in range(8)]
-    llm = LLM(str(tiny_llama_dir), kv_backend="vattention", num_kv_blocks=128, max_num_seqs=2)
-    vattention(llm).budget = 12                               # as if the process had few VMAs left
-    expected = run(LLM(str(tiny_llama_dir), num_kv_blocks=128, max_num_seqs=2), prompts)
-    assert run(llm, prompts) == expected
+    llm = LLM(str(tiny_llama_dir), kv_backend="vattention", num_kv_blocks=128, max_num_seqs=4)
+    paged = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_num_seqs=4)
+    assert run(llm, prompts[:4]) == run(paged, prompts[:4])
+    cache = vattention(llm)
+    assert cache.slots.num_runs >= 4 and va_stats(llm)["reclaimed_pages"] == 0
+    cache.limit = 11                                          # 5 runs
+    for p in prompts[4:]:
+        assert run(llm, [p]) == run(paged, [p])
+        assert cache.map_areas() <= 11
     va = va_stats(llm)
-    assert va["reclaimed_pages"] > 0 and va["mapped_pages"] <= 12
+    assert va["reclaimed_pages"] > 0 and va["refused_seqs"] == 0
     assert_idle_and_accounted(llm)
 
 

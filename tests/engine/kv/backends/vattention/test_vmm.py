@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from engine.kv.backends.vattention.vmm import OS_PAGE_BYTES, HostVirtualMemory, mapping_budget
+from engine.kv.backends.vattention.vmm import OS_PAGE_BYTES, HostVirtualMemory, map_areas_left
 
 PAGE = 2 * OS_PAGE_BYTES
 
@@ -67,9 +69,56 @@ def test_an_unmapped_page_is_no_memory(then: str) -> None:
     assert proc.returncode == -11 and "survived" not in proc.stdout, (proc.returncode, proc.stderr[-500:])
 
 
+_FORK = """
+import os, signal, torch
+from engine.kv.backends.vattention.vmm import HostVirtualMemory
+vm = HostVirtualMemory(num_pages=1, page_bytes={page})
+base = vm.reserve({page})
+vm.map(base, 0)
+view = vm.view(base, {page}, torch.uint8)
+pool = vm.physical_view(torch.uint8)
+view[0] = 1
+pid = os.fork()
+if pid == 0:
+    try:
+        {write}[0] = 7                  # the KV pages are not the child's: no mapping there
+    finally:
+        os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child", os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exited", "parent", int(view[0]), int(pool[0]))
+"""
+
+
+@pytest.mark.parametrize("write", ["view", "pool"])
+def test_a_forked_child_does_not_share_the_kv_pages(write: str) -> None:
+    """MADV_DONTFORK: a child of fork() has no mapping at the KV pages (its write faults), so it can neither
+    read nor corrupt the parent's KV."""
+    code = _FORK.format(page=PAGE, write=write)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[5])
+    assert proc.stdout.split() == ["child", str(int(signal.SIGSEGV)), "parent", "1", "1"], (proc.stdout,
+                                                                                           proc.stderr[-500:])
+
+
+def test_a_released_reservation_stays_mapped_while_a_view_of_it_lives() -> None:
+    """release() never unmaps under a live view: the range goes when its last view does."""
+    vm = HostVirtualMemory(num_pages=2, page_bytes=PAGE)
+    base = vm.reserve(2 * PAGE)
+    vm.map(base, 1)
+    view = vm.view(base, PAGE, torch.int32)
+    view[:] = 5
+    vm.release(base, 2 * PAGE)
+    assert vm.holds(base) and view.eq(5).all()          # still mapped: the view reads the page
+    del view
+    gc.collect()
+    assert not vm.holds(base)
+    with pytest.raises(ValueError):
+        vm.release(base, 2 * PAGE)                       # once only
+
+
 def test_views_keep_the_memory_alive_and_then_release_it() -> None:
     vm = HostVirtualMemory(num_pages=1, page_bytes=PAGE)
-    fd = vm._owner.fd
+    fd = vm.fd
     view = vm.physical_view(torch.int64)
     view[0] = 42
     del vm
@@ -87,7 +136,7 @@ def test_page_size_must_be_whole_os_pages() -> None:
         HostVirtualMemory(num_pages=1, page_bytes=OS_PAGE_BYTES + 512)
 
 
-def test_mapping_budget_is_under_the_kernel_limit() -> None:
+def test_map_areas_left_is_under_the_kernel_limit() -> None:
     with open("/proc/sys/vm/max_map_count") as f:
         limit = int(f.read())
-    assert 0 < mapping_budget() < limit // 2
+    assert 0 < map_areas_left() <= limit // 2
