@@ -26,13 +26,7 @@ from prefix_store.errors import InvalidPrefix, PrefixConflict, PrefixNotFound, R
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-async def _shielded(coro: Coroutine[Any, Any, T]) -> T:
-    """Runs `coro` to its end even if the caller is cancelled (its outcome is then only logged)."""
-    task = asyncio.create_task(coro)
-    task.add_done_callback(_log_orphan)
-    return await asyncio.shield(task)
+CLOSE_TIMEOUT_S = 5.0       # what close() waits for in-flight operations and the background tasks
 
 
 def _log_orphan(task: asyncio.Task[Any]) -> None:
@@ -105,6 +99,8 @@ class PrefixRegistry:
         self.store_ok = True
         self._lock = asyncio.Lock()                 # one registry mutation at a time (pins are not atomic)
         self._tasks: list[asyncio.Task] = []
+        self._ops: set[asyncio.Task] = set()        # registrations and deletions in flight (shielded)
+        self._closing = False
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -113,21 +109,36 @@ class PrefixRegistry:
         # The events stream yields "resync" once subscribed; warm-up happens there. If the store is
         # down, the first resync fails fast and the replica is ready with what it has (nothing).
 
-    async def close(self) -> None:
-        for t in self._tasks:
+    async def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stops within about `timeout` seconds whatever is in flight: new operations are refused, those
+        in flight and the background tasks are cancelled, the store is closed (which ends its events
+        stream), then they get `timeout` seconds to unwind; a task still running after that is left
+        behind with a warning.
+
+        NOTE: the store is closed before the wait, not after it. A Redis client may swallow a
+        cancellation (redis-py 8 returns the reply of a GET cancelled in flight), so a cancelled task
+        can go on looping; the events stream and the heartbeat stop on their own once the store is
+        closed and `_closing` is set, whatever became of the cancellation."""
+        self._closing = True
+        tasks = [*self._ops, *self._tasks]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
-        await self.store.aclose()
+        try:
+            await self.store.aclose()
+        finally:
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=timeout)
+                for t in pending:
+                    log.warning("prefix registry: %s still running %.0f s after close; left behind", t.get_name(),
+                                timeout)
 
     async def _follow_events(self) -> None:
         events = self.store.events()
         first = True
         try:
             async for ev in events:
+                if self._closing:
+                    break
                 try:
                     if ev.kind == "resync":
                         await self.resync()
@@ -145,7 +156,7 @@ class PrefixRegistry:
             await events.aclose()
 
     async def _heartbeat(self) -> None:
-        while True:
+        while not self._closing:
             if not self.ready.is_set() and not self.store_ok:
                 self.ready.set()        # store down at start: serve without the registry's prefixes
             stats = self.engine.stats()
@@ -174,6 +185,8 @@ class PrefixRegistry:
                          not wanted[n].same_content(self.local[n].record)]:
                 await self._unpin_local(name)
             for name, record in wanted.items():
+                if self._closing:
+                    return
                 if name not in self.local:
                     await self._pin_local(record)
 
@@ -222,7 +235,7 @@ class PrefixRegistry:
         if len(token_ids) >= self.engine.max_model_len:
             raise InvalidPrefix(f"the prefix has {len(token_ids)} tokens; the model's maximum context length is "
                                 f"{self.engine.max_model_len}", param="prompt")
-        return await _shielded(self._register(name, list(token_ids), source, description))
+        return await self._shielded(self._register(name, list(token_ids), source, description))
 
     async def _register(self, name: str, token_ids: list[int], source: dict[str, Any],
                         description: str | None) -> tuple[PrefixRecord, bool]:
@@ -258,7 +271,7 @@ class PrefixRegistry:
 
     async def delete(self, name: str) -> None:
         """Raises PrefixNotFound or StoreUnavailable."""
-        await _shielded(self._delete(name))
+        await self._shielded(self._delete(name))
 
     async def _delete(self, name: str) -> None:
         async with self._lock:
@@ -267,6 +280,18 @@ class PrefixRegistry:
             await self._unpin_local(name)
         if not deleted and not present:
             raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
+
+    async def _shielded(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs `coro` to its end even if the caller is cancelled (its outcome is then only logged); only
+        close() cancels it. Refused with StoreUnavailable once the registry is closing."""
+        if self._closing:
+            coro.close()
+            raise StoreUnavailable("the server is shutting down")
+        task = asyncio.create_task(coro)
+        self._ops.add(task)
+        task.add_done_callback(self._ops.discard)
+        task.add_done_callback(_log_orphan)
+        return await asyncio.shield(task)
 
     def snapshot(self, name: str) -> PrefixSnapshot:
         """The named prefix as a request uses it; PrefixNotFound if it is not pinned here. Names resolve in
