@@ -82,14 +82,25 @@ def flatten(messages: list[Message]) -> list[tuple[Any, ...]]:
 
 
 class Subscriber:
-    def __init__(self, endpoint: str, topic: str = "") -> None:
+    """`server_key` (the publisher's Z85 public key) makes it a CURVE client, with the key pair `client` (Z85
+    public, secret) or a fresh one."""
+
+    def __init__(self, endpoint: str, topic: str = "", server_key: str | None = None,
+                 client: tuple[bytes, bytes] | None = None) -> None:
         self.ctx = zmq.Context()
         self.topic = topic.encode()
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
+        self.curve = (server_key.encode(), *(client or zmq.curve_keypair())) if server_key is not None else None
+        self.sub = self._socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self.sub.connect(endpoint)
         self.received: list[Message] = []
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self.curve
+        return sock
 
     def poll(self, timeout: float = 0.2) -> list[Message]:
         """Receives what arrives within `timeout` seconds of quiet."""
@@ -110,8 +121,7 @@ class Subscriber:
 
     def replay(self, endpoint: str, start: int, timeout: float = 10.0) -> list[Message]:
         """Asks the publisher's ROUTER for every buffered batch from `start`, until END_SEQ."""
-        req = self.ctx.socket(zmq.DEALER)
-        req.setsockopt(zmq.LINGER, 0)
+        req = self._socket(zmq.DEALER)
         req.connect(endpoint)
         try:
             req.send_multipart([b"", start.to_bytes(8, "big")])
