@@ -72,7 +72,7 @@ def test_engine_args_are_the_compose_command(tiny_llama_dir: Path) -> None:
     args = engine_args(tiny_llama_dir, ports, 2, {})
     assert "--host" not in args and "--port" not in args and str(tiny_llama_dir) in args
     assert KVEventsConfig.from_json(args[args.index("--kv-events-config") + 1]).endpoint == \
-        f"tcp://*:{ports.events * 10 + 2}"
+        f"tcp://127.0.0.1:{ports.events * 10 + 2}"
 
 
 def test_compose_commands_run(tiny_llama_dir: Path) -> None:
