@@ -5,6 +5,7 @@ PREFIXSERVE_* variables are generated from both dataclasses' fields (service/fla
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -15,7 +16,16 @@ LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # A key is an RFC 7230 token: browsers send it as a WebSocket subprotocol, which must be one.
 _KEY_RE = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]+")
+_HOST_PATTERN_RE = re.compile(r"\*|[a-z0-9*\-]{1,63}(\.[a-z0-9*\-]{1,63})*")
 _ORIGIN_RE = re.compile(r"https?://[a-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9a-f:.]+\](:[0-9]{1,5})?")
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -44,6 +54,10 @@ class ServiceConfig:
     metrics_require_key: bool = knob(True, "/metrics needs a key like the API (with --api-key set)")
     allowed_origins: tuple[str, ...] = knob((), "web origins allowed cross-origin (CORS) and on the WebSocket, "
                                                 "comma-separated, e.g. https://app.example.com; * for any")
+    allowed_hosts: tuple[str, ...] = knob((), "host names this server answers to (the Host header), comma-separated, "
+                                              "beyond localhost, IP addresses and --host; a * stands for one "
+                                              "label (prefixserve-engine-*, *.example.com); * alone for any. "
+                                              "Other names get 421 (DNS rebinding)")
     log_format: str = knob("text", "log lines as text or as one JSON object each", LOG_FORMATS)
     log_level: str = knob("info", "least severe level logged (access lines are info)", LOG_LEVELS)
 
@@ -72,6 +86,10 @@ class ServiceConfig:
         self.allowed_origins = tuple(o.lower().rstrip("/") for o in self.allowed_origins)
         checks += [(o == "*" or _ORIGIN_RE.fullmatch(o) is not None, f"allowed_origins: {o!r} is not an "
                     "origin (scheme://host[:port], or *)") for o in self.allowed_origins]
+        self.allowed_hosts = tuple(h.lower().rstrip(".") for h in self.allowed_hosts)
+        checks += [(_HOST_PATTERN_RE.fullmatch(h) is not None or _is_address(h.strip("[]")),
+                    f"allowed_hosts: {h!r} is not a host name, an address, a pattern with * for a label, or *")
+                   for h in self.allowed_hosts]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
