@@ -271,7 +271,7 @@ def test_dns_rebinding_in_a_real_browser_gets_421(srv: ServerThread) -> None:
       const R = {};
       const post = (path, body) => fetch(path, {method: "POST", headers: {"Content-Type": "application/json"},
                                                 body: JSON.stringify(body)});
-      R.register = (await post("/v1/prefixes", {name: "rebound", prompt: %s})).status;
+      R.register = (await post("/v1/prefixes", {name: "rebound", prompt: PROMPT})).status;
       R.generate = (await post("/v1/completions", {prompt: "hi", max_tokens: 1})).status;
       R.models = (await fetch("/v1/models")).status;
       R.error = (await (await fetch("/v1/models")).json()).error.code;
@@ -281,7 +281,7 @@ def test_dns_rebinding_in_a_real_browser_gets_421(srv: ServerThread) -> None:
         ws.onclose = (e) => resolve("closed " + e.code);
       });
       return R;
-    }""" % json.dumps(PREFIX_TEXT)
+    }""".replace("PROMPT", json.dumps(PREFIX_TEXT))
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True,
                                     args=["--no-sandbox", "--disable-gpu", "--no-first-run",
