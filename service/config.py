@@ -43,6 +43,13 @@ class ServiceConfig:
     strict_fields: bool = knob(False, "refuse request fields this server does not know with a 400 (default: "
                                       "accept them, ignored, and name them in a warning and X-Ignored-Fields)")
     max_ws_generations: int = knob(64, "most concurrent generations per WebSocket")
+    max_ws_per_client: int = knob(16, "most WebSockets one client holds open at once (a client: its API key, or "
+                                      "its address without keys); beyond it the upgrade gets 429")
+    ws_idle_timeout: float = knob(300.0, "seconds a WebSocket with no generation running and no frame from the "
+                                         "client stays open; then it is closed with code 4408")
+    write_timeout: float = knob(30.0, "seconds a client may leave a streamed answer unread (an SSE event or a "
+                                      "WebSocket frame waiting for room); then its generation is aborted and "
+                                      "the connection closed")
     max_prefixes: int = knob(1024, "most registered prefixes (per model); beyond it registrations get 507")
     keepalive_timeout: float = knob(30.0, "seconds an idle connection, or one whose request headers never "
                                           "complete, is kept open")
@@ -73,6 +80,9 @@ class ServiceConfig:
             (self.max_choices >= 1, "max_choices must be >= 1"),
             (self.max_prefixes >= 1, "max_prefixes must be >= 1"),
             (self.max_ws_generations >= 1, "max_ws_generations must be >= 1"),
+            (self.max_ws_per_client >= 1, "max_ws_per_client must be >= 1"),
+            (self.ws_idle_timeout > 0, "ws_idle_timeout must be > 0"),
+            (self.write_timeout > 0, "write_timeout must be > 0"),
             (self.served_model_name is None or bool(self.served_model_name.strip()),
              "served_model_name must not be blank"),
             (self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),

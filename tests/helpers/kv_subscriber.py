@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -141,3 +142,18 @@ class Subscriber:
     def close(self) -> None:
         self.sub.close()
         self.ctx.term()
+
+
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F"}      # 127.0.0.1, ::ffff:127.0.0.1 in /proc/net/tcp*
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) with a TCP socket listening on `port`."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                out.add(address)
+    return out

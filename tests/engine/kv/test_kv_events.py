@@ -17,7 +17,16 @@ from engine.kv.event_publisher import ZmqEventPublisher
 from engine.kv.events import KVEventQueue, KVEventsConfig, encode_batch, events_of, external_hash
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-from tests.helpers.kv_subscriber import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, Subscriber, flatten
+from tests.helpers.kv_subscriber import (
+    LOOPBACK,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    Subscriber,
+    flatten,
+    listening,
+)
 from tests.helpers.redis_server import free_port
 
 
@@ -152,18 +161,6 @@ def test_a_port_in_use_is_a_clear_error() -> None:
         first.close()
 
 
-def _listening(port: int) -> set[str]:
-    """The local addresses (hex, as /proc/net/tcp* writes them) with a TCP socket listening on `port`."""
-    out = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, hex_port = local.split(":")
-            if state == "0A" and int(hex_port, 16) == port:
-                out.add(address)
-    return out
-
-
 def test_the_default_endpoint_and_the_readmes_example_bind_loopback_only() -> None:
     """Issue 24, item 5: the documented configuration bound tcp://*:5557 (and the replay socket) on every
     interface: anyone who could reach the host read every prompt's token ids."""
@@ -177,9 +174,8 @@ def test_the_default_endpoint_and_the_readmes_example_bind_loopback_only() -> No
                                                       replay_endpoint=f"{host}:{rep}"),
                                   KVEventQueue(10), block_size=16).start()
     try:
-        loopback = {"0100007F", "0000000000000000FFFF00000100007F"}        # 127.0.0.1, ::ffff:127.0.0.1
-        assert _listening(pub) and _listening(pub) <= loopback, _listening(pub)    # bound, loopback only
-        assert _listening(rep) and _listening(rep) <= loopback, _listening(rep)
+        assert listening(pub) and listening(pub) <= LOOPBACK, listening(pub)    # bound, loopback only
+        assert listening(rep) and listening(rep) <= LOOPBACK, listening(rep)
     finally:
         publisher.close()
 
