@@ -8,19 +8,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.kv import backends as kv_backends
 from engine.kv.events import KVEventsConfig
+
+if TYPE_CHECKING:
+    from engine.kv.event_publisher import CurveKeys
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 QUANTIZATIONS = ("none", "int8", "int4")
 
 
-def knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A dataclass field with its help text (and choices, for strings), for the generated CLI."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def knob(default: Any, help: str, choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
+    """A dataclass field with its help text (and choices, for strings), for the generated CLI; a secret one
+    is left out of the dataclass's repr."""
+    return field(default=default, repr=not secret, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -63,8 +67,17 @@ class EngineConfig:
     chat_template: str | None = knob(None, "a Jinja chat template (a file, or the template itself) replacing "
                                            "the checkpoint's")
     kv_events_config: str | None = knob(None, "vLLM's KV-events JSON, e.g. '{\"enable_kv_cache_events\": true, "
-                                              "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}': block "
-                                              "stored / removed events over ZMQ (engine/kv_events.py)")
+                                              "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\"}': "
+                                              "block stored / removed events over ZMQ (engine/kv/events.py). They "
+                                              "carry prompt token ids: bind loopback (the default endpoint) or use "
+                                              "CURVE")
+    kv_events_secret_key: str | None = knob(None, "KV events over ZMQ CURVE: this server's secret key (40 Z85 "
+                                                  "characters, e.g. from zmq.curve_keypair()); subscribers need its "
+                                                  "public key (logged at start). Set it by the variable: a command "
+                                                  "line is readable by every user of the host", secret=True)
+    kv_events_client_keys: tuple[str, ...] = knob((), "KV events over CURVE: the public keys (Z85) of the "
+                                                      "subscribers admitted, comma-separated (default: any that "
+                                                      "knows the server's public key)")
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -103,7 +116,18 @@ class EngineConfig:
             if not self.model.endswith(".gguf") and not (path / "config.json").is_file():
                 raise ValueError(f"model {self.model!r} is neither a .gguf file nor a Hugging Face checkpoint "
                                  "directory (a directory with config.json)")
-        if self.kv_events_config is not None:
-            KVEventsConfig.from_json(self.kv_events_config)     # ValueError naming what is wrong
+        events = KVEventsConfig.from_json(self.kv_events_config) if self.kv_events_config is not None else None
+        if (self.kv_events_secret_key or self.kv_events_client_keys) and (events is None or not events.enabled):
+            raise ValueError("kv_events_secret_key / kv_events_client_keys need KV events on (--kv-events-config)")
+        if self.kv_events_client_keys and not self.kv_events_secret_key:
+            raise ValueError("kv_events_client_keys need kv_events_secret_key (the server's CURVE key)")
+        self.kv_events_curve()                                   # ValueError naming a malformed key
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+
+    def kv_events_curve(self) -> CurveKeys | None:
+        """The KV event sockets' CURVE keys, or None (plain ZMQ)."""
+        if not self.kv_events_secret_key:
+            return None
+        from engine.kv.event_publisher import CurveKeys  # zmq, only when events are on
+        return CurveKeys(self.kv_events_secret_key, tuple(self.kv_events_client_keys))

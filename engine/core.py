@@ -140,7 +140,7 @@ class EngineCore:
         self.requests: dict[str, SequenceGroup] = {}
         self.kv_events: ZmqEventPublisher | None = None    # started last: nothing to undo if loading fails
         if sink is not None and events is not None:
-            self.kv_events = ZmqEventPublisher(events, sink, self.block_size).start()
+            self.kv_events = ZmqEventPublisher(events, sink, self.block_size, curve=config.kv_events_curve()).start()
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
         self._seq_ids = itertools.count()

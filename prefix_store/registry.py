@@ -44,13 +44,7 @@ from prefix_store.errors import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-async def _shielded(coro: Coroutine[Any, Any, T]) -> T:
-    """Runs `coro` to its end even if the caller is cancelled (its outcome is then only logged)."""
-    task = asyncio.create_task(coro)
-    task.add_done_callback(_log_orphan)
-    return await asyncio.shield(task)
+CLOSE_TIMEOUT_S = 5.0       # what close() waits for in-flight operations and the background tasks
 
 
 def _log_orphan(task: asyncio.Task[Any]) -> None:
@@ -134,6 +128,8 @@ class PrefixRegistry:
         self.store_ok = True
         self._lock = asyncio.Lock()                 # one registry mutation at a time (pins are not atomic)
         self._tasks: list[asyncio.Task] = []
+        self._ops: set[asyncio.Task] = set()        # registrations and deletions in flight (shielded)
+        self._closing = False
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -143,21 +139,36 @@ class PrefixRegistry:
         # The events stream yields "resync" once subscribed; warm-up happens there. If the store is
         # down, the first resync fails fast and the replica is ready with what it has (nothing).
 
-    async def close(self) -> None:
-        for t in self._tasks + list(self._spawned):
+    async def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stops within about `timeout` seconds whatever is in flight: new operations are refused, those
+        in flight and the background tasks are cancelled, the store is closed (which ends its events
+        stream), then they get `timeout` seconds to unwind; a task still running after that is left
+        behind with a warning.
+
+        NOTE: the store is closed before the wait, not after it. A Redis client may swallow a
+        cancellation (redis-py 8 returns the reply of a GET cancelled in flight), so a cancelled task
+        can go on looping; the events stream and the heartbeat stop on their own once the store is
+        closed and `_closing` is set, whatever became of the cancellation."""
+        self._closing = True
+        tasks = [*self._ops, *self._tasks, *self._spawned]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks + list(self._spawned):
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
-        await self.store.aclose()
+        try:
+            await self.store.aclose()
+        finally:
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=timeout)
+                for t in pending:
+                    log.warning("prefix registry: %s still running %.0f s after close; left behind", t.get_name(),
+                                timeout)
 
     async def _follow_events(self) -> None:
         events = self.store.events()
         first = True
         try:
             async for ev in events:
+                if self._closing:
+                    break
                 try:
                     if ev.kind == "resync":
                         await self.resync()
@@ -175,7 +186,7 @@ class PrefixRegistry:
             await events.aclose()
 
     async def _heartbeat(self) -> None:
-        while True:
+        while not self._closing:
             if not self.ready.is_set() and not self.store_ok:
                 self.ready.set()        # store down at start: serve without the registry's prefixes
             stats = self.engine.stats()
@@ -204,6 +215,8 @@ class PrefixRegistry:
                          not wanted[n].same_content(self.local[n].record)]:
                 await self._unpin_local(name)
             for name, record in wanted.items():
+                if self._closing:
+                    return
                 if name not in self.local:
                     await self._pin_local(record)
 
@@ -260,7 +273,7 @@ class PrefixRegistry:
                               tokenizer_version=self.engine.tokenizer_version, description=description,
                               owner=owner, salt=salt, kind=kind, ttl_seconds=ttl_seconds,
                               expires_at=None if ttl_seconds is None else time.time() + ttl_seconds)
-        return await _shielded(self._register(record))
+        return await self._shielded(self._register(record))
 
     async def _register(self, record: PrefixRecord) -> tuple[PrefixRecord, bool]:
         key = record.key
@@ -337,10 +350,10 @@ class PrefixRegistry:
             keys = self._keys(name, owner, tenant)
             for key in keys if admin else keys[:1] if owner is not None else []:
                 with contextlib.suppress(PrefixNotFound):
-                    return await _shielded(self._delete(key))
+                    return await self._shielded(self._delete(key))
             raise
         self._may_change(record, owner, admin)
-        await _shielded(self._delete(record.key))
+        await self._shielded(self._delete(record.key))
 
     async def _delete(self, key: str) -> None:
         async with self._lock:
@@ -349,6 +362,18 @@ class PrefixRegistry:
             await self._unpin_local(key)
         if not deleted and not present:
             raise PrefixNotFound(f"prefix {key.rsplit('/', 1)[-1]!r} is not registered", param="name")
+
+    async def _shielded(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs `coro` to its end even if the caller is cancelled (its outcome is then only logged); only
+        close() cancels it. Refused with StoreUnavailable once the registry is closing."""
+        if self._closing:
+            coro.close()
+            raise StoreUnavailable("the server is shutting down")
+        task = asyncio.create_task(coro)
+        self._ops.add(task)
+        task.add_done_callback(self._ops.discard)
+        task.add_done_callback(_log_orphan)
+        return await asyncio.shield(task)
 
     async def update(self, name: str, owner: str | None, admin: bool, tenant: str | None = None,
                      **changes: Any) -> dict[str, Any]:
@@ -470,7 +495,7 @@ class PrefixRegistry:
                               source={"token_ids": tokens}, tokenizer_version=self.engine.tokenizer_version,
                               owner=owner, salt=salt, kind="cache_key", ttl_seconds=ttl_seconds,
                               expires_at=time.time() + ttl_seconds)
-        await _shielded(self._replace(record))
+        await self._shielded(self._replace(record))
 
     async def _replace(self, record: PrefixRecord) -> None:
         """Pins `record`, stores it over whatever its key held, then unpins what that was."""

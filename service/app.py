@@ -3,7 +3,8 @@
 The model loads on a worker thread after the server starts listening, so /health answers 503
 (warming) meanwhile. On shutdown (SIGTERM under `web.run_app`), aiohttp stops accepting, runs
 on_shutdown (we start draining: new requests get 503), waits up to `shutdown_timeout` for running
-handlers, cancels the rest (their `finally` aborts their requests), then the cleanup_ctx stops the engine.
+handlers, cancels the rest (their `finally` aborts their requests), then the cleanup_ctx closes the registry
+(its registrations in flight cancelled, its store closed, within a few seconds) and stops the engine.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from aiohttp import web
 
 from engine.config import EngineConfig
 from prefix_store import MemoryPrefixStore, PrefixStore, StoreUnavailable
-from prefix_store.registry import PrefixRegistry
+from prefix_store.registry import CLOSE_TIMEOUT_S, PrefixRegistry
 from service.config import ServiceConfig
 from service.errors import error_middleware
 from service.middleware import access_log, auth, cross_site, security_headers
@@ -89,7 +90,10 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     app[_LOADER] = asyncio.create_task(_load(state), name="engine-load")
     yield
+    # Each step is bounded, whatever is in flight: a load still running unwinds what it built, the
+    # registry cancels its registrations and closes the store within CLOSE_TIMEOUT_S, then the engine stops.
     app[_LOADER].cancel()
+    await asyncio.wait([app[_LOADER]], timeout=CLOSE_TIMEOUT_S)
     if state.registry is not None:
         await state.registry.close()
     if state.engine is not None:
@@ -110,11 +114,19 @@ async def _load(state: ServiceState) -> None:
         return
     # Warm every registered prefix before /health says ready (the registry pins through the engine).
     address = f"{state.config.host}:{state.config.port}"
-    registry = PrefixRegistry(await _open_store(state.config), engine, address=address,
-                              max_prefixes=state.config.max_prefixes,
-                              max_prefixes_per_tenant=state.config.max_prefixes_per_tenant)
-    await registry.start()
-    await registry.ready.wait()
+    try:
+        registry = PrefixRegistry(await _open_store(state.config), engine, address=address,
+                                  max_prefixes=state.config.max_prefixes,
+                                  max_prefixes_per_tenant=state.config.max_prefixes_per_tenant)
+        try:
+            await registry.start()
+            await registry.ready.wait()
+        except BaseException:       # shut down while warming: the registry's tasks end with it
+            await registry.close()
+            raise
+    except BaseException:
+        await engine.shutdown()
+        raise
     state.registry = registry
     state.engine = engine
     log.info("ready: %s (max_model_len %d, %d prefixes pinned)", state.model_name, engine.max_model_len,

@@ -5,6 +5,7 @@ PREFIXSERVE_* variables are generated from both dataclasses' fields (service/fla
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -17,7 +18,16 @@ _TENANT_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # A key is an RFC 7230 token: browsers send it as a WebSocket subprotocol, which must be one.
 _KEY_RE = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]+")
+_HOST_PATTERN_RE = re.compile(r"\*|[a-z0-9*\-]{1,63}(\.[a-z0-9*\-]{1,63})*")
 _ORIGIN_RE = re.compile(r"https?://[a-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9a-f:.]+\](:[0-9]{1,5})?")
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -35,6 +45,13 @@ class ServiceConfig:
     strict_fields: bool = knob(False, "refuse request fields this server does not know with a 400 (default: "
                                       "accept them, ignored, and name them in a warning and X-Ignored-Fields)")
     max_ws_generations: int = knob(64, "most concurrent generations per WebSocket")
+    max_ws_per_client: int = knob(16, "most WebSockets one client holds open at once (a client: its API key, or "
+                                      "its address without keys); beyond it the upgrade gets 429")
+    ws_idle_timeout: float = knob(300.0, "seconds a WebSocket with no generation running and no frame from the "
+                                         "client stays open; then it is closed with code 4408")
+    write_timeout: float = knob(30.0, "seconds a client may leave a streamed answer unread (an SSE event or a "
+                                      "WebSocket frame waiting for room); then its generation is aborted and "
+                                      "the connection closed")
     max_prefixes: int = knob(1024, "most registered prefixes (per model); beyond it registrations get 507")
     keepalive_timeout: float = knob(30.0, "seconds an idle connection, or one whose request headers never "
                                           "complete, is kept open")
@@ -57,6 +74,10 @@ class ServiceConfig:
     metrics_require_key: bool = knob(True, "/metrics needs a key like the API (with --api-key set)")
     allowed_origins: tuple[str, ...] = knob((), "web origins allowed cross-origin (CORS) and on the WebSocket, "
                                                 "comma-separated, e.g. https://app.example.com; * for any")
+    allowed_hosts: tuple[str, ...] = knob((), "host names this server answers to (the Host header), comma-separated, "
+                                              "beyond localhost, IP addresses and --host; a * stands for one "
+                                              "label (prefixserve-engine-*, *.example.com); * alone for any. "
+                                              "Other names get 421 (DNS rebinding)")
     log_format: str = knob("text", "log lines as text or as one JSON object each", LOG_FORMATS)
     log_level: str = knob("info", "least severe level logged (access lines are info)", LOG_LEVELS)
 
@@ -78,6 +99,9 @@ class ServiceConfig:
              "prompt_cache_ttl must be within [1, max_lease_seconds]"),
             (self.cache_isolation in CACHE_ISOLATION,
              f"cache_isolation must be one of {CACHE_ISOLATION}, got {self.cache_isolation!r}"),
+            (self.max_ws_per_client >= 1, "max_ws_per_client must be >= 1"),
+            (self.ws_idle_timeout > 0, "ws_idle_timeout must be > 0"),
+            (self.write_timeout > 0, "write_timeout must be > 0"),
             (self.served_model_name is None or bool(self.served_model_name.strip()),
              "served_model_name must not be blank"),
             (self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -96,6 +120,10 @@ class ServiceConfig:
         self.allowed_origins = tuple(o.lower().rstrip("/") for o in self.allowed_origins)
         checks += [(o == "*" or _ORIGIN_RE.fullmatch(o) is not None, f"allowed_origins: {o!r} is not an "
                     "origin (scheme://host[:port], or *)") for o in self.allowed_origins]
+        self.allowed_hosts = tuple(h.lower().rstrip(".") for h in self.allowed_hosts)
+        checks += [(_HOST_PATTERN_RE.fullmatch(h) is not None or _is_address(h.strip("[]")),
+                    f"allowed_hosts: {h!r} is not a host name, an address, a pattern with * for a label, or *")
+                   for h in self.allowed_hosts]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

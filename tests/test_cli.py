@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -134,3 +135,82 @@ def test_serve_uses_the_cores_it_may_use_by_default() -> None:
         pass
     assert config_from(parser().parse_args(["serve"])).engine.torch_threads == cores
     assert config_from(parser().parse_args(["serve", "--torch-threads", "1"])).engine.torch_threads == 1
+
+
+def _documented_values(f: Any, hint: Any) -> list[tuple[str, Any]]:
+    """(text, value) pairs a knob must accept: each of its choices, both spellings of a boolean, a number
+    other than its default, and "none" for an optional knob's default (unless "none" is a choice)."""
+    import types
+    import typing
+
+    from service.flags import _FALSE, _TRUE
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    optional, base = type(None) in args, next(a for a in args if a is not type(None))
+    choices = f.metadata.get("choices")
+    out: list[tuple[str, Any]] = []
+    if choices:
+        out += [(c, c) for c in choices]
+    elif base is bool:
+        out += [(w, True) for w in _TRUE] + [(w, False) for w in _FALSE]
+    elif base is int:
+        out.append((str((f.default or 0) + 1), (f.default or 0) + 1))
+    elif base is float:
+        out.append((str((f.default or 1.0) / 2), (f.default or 1.0) / 2))
+    if optional and (base in (int, float) or choices) and "none" not in (choices or ()):
+        out.append(("none", None))
+    return out
+
+
+def test_every_knob_takes_every_documented_value_by_flag_and_by_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24, item 21: `--quantization none` was refused (`invalid choice: None`) and
+    PREFIXSERVE_QUANTIZATION=none silently served int4: "none" became None before the choice check. Every
+    choice, boolean and number knob of both configs is set to each documented value both ways."""
+    import dataclasses
+    import typing
+
+    from engine.config import EngineConfig
+    from service.config import ServiceConfig
+    from service.flags import env_name
+
+    walked = 0
+    for cls in (EngineConfig, ServiceConfig):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "engine":
+                continue
+            for name in (g.name for g in dataclasses.fields(cls)):
+                monkeypatch.delenv(env_name(name), raising=False)
+            for text, value in _documented_values(f, hints[f.name]):
+                flag = "--" + f.name.replace("_", "-")
+                if value is True and hints[f.name] is bool:
+                    argv = [flag]
+                elif value is False and hints[f.name] is bool:
+                    argv = ["--no-" + f.name.replace("_", "-")]
+                else:
+                    argv = [flag, text]
+                expected = usable_cores() if f.name == "torch_threads" and value is None else value
+                by_flag = config_from(parser().parse_args(["serve", *argv]))
+                got = getattr(by_flag if cls is ServiceConfig else by_flag.engine, f.name)
+                assert got == expected and type(got) is type(expected), (argv, got)
+                monkeypatch.setenv(env_name(f.name), text)
+                by_env = config_from(parser().parse_args(["serve"]))
+                got = getattr(by_env if cls is ServiceConfig else by_env.engine, f.name)
+                assert got == expected and type(got) is type(expected), (env_name(f.name), text, got)
+                monkeypatch.delenv(env_name(f.name))
+                walked += 1
+    assert walked > 60
+
+
+@pytest.mark.parametrize("env, value, says", [
+    ("PREFIXSERVE_QUANTIZATION", "int3", "expected one of none, int8, int4"),
+    ("PREFIXSERVE_LOG_FORMAT", "xml", "expected one of text, json"),
+    ("PREFIXSERVE_STRICT_FIELDS", "maybe", "expected a boolean"),
+    ("PREFIXSERVE_PORT", "eighty", "invalid literal for int()"),
+    ("PREFIXSERVE_PINNED_FRACTION", "half", "could not convert string to float"),
+])
+def test_a_variable_that_does_not_parse_is_an_error_at_startup(env: str, value: str, says: str) -> None:
+    """Never a silent fallback to the default: one line naming the variable, exit status 2."""
+    out = subprocess.run([sys.executable, "-m", "service", "serve"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, env: value})
+    assert out.returncode in (1, 2) and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().count("\n") == 0 and f"{env}={value!r}" in out.stderr and says in out.stderr, out.stderr

@@ -5,11 +5,15 @@ from __future__ import annotations
 import re
 from importlib import metadata
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis as redis_py
 
 from cli import parser
 from engine.kv.events import KVEventsConfig
+from service import flags
+from service.config import ServiceConfig
+from service.middleware.cross_site import Hosts, host_name
 from tests.helpers.compose_cluster import Cluster, compose, engine_args, interpolate
 from tests.helpers.router_process import ENTRYPOINT, ReplicaPorts
 from tests.helpers.server import ROOT, http
@@ -55,6 +59,11 @@ def test_compose_structure() -> None:
     assert env["ENGINE_KV_EVENTS"].endswith(":5557") and env["ENGINE_KV_REPLAY"].endswith(":5558")
     assert args.served_model_name == interpolate(env["MODEL_NAME"], {}) == "prefixserve"
     assert str(args.block_size) == interpolate(env["BLOCK_SIZE"], {}) == "16"
+    # the replicas answer to the names the router calls them by (a Host they do not know gets 421)
+    hosts = Hosts(ServiceConfig(**flags.values(args, ServiceConfig)))
+    for i in (1, 3, 12):
+        assert hosts.allowed(host_name(urlsplit(interpolate(env["ENGINE_URL"], {}) % i).netloc))
+    assert not hosts.allowed(host_name("prefixserve-engine-1.evil.net")) and not hosts.allowed("evil.net")
 
 
 def test_interpolate_is_composes() -> None:
@@ -72,7 +81,7 @@ def test_engine_args_are_the_compose_command(tiny_llama_dir: Path) -> None:
     args = engine_args(tiny_llama_dir, ports, 2, {})
     assert "--host" not in args and "--port" not in args and str(tiny_llama_dir) in args
     assert KVEventsConfig.from_json(args[args.index("--kv-events-config") + 1]).endpoint == \
-        f"tcp://*:{ports.events * 10 + 2}"
+        f"tcp://127.0.0.1:{ports.events * 10 + 2}"
 
 
 def test_compose_commands_run(tiny_llama_dir: Path) -> None:

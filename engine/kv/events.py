@@ -1,5 +1,5 @@
 """KV cache events in vLLM's format: the `--kv-events-config` JSON, the engine-side record queue, and
-the msgpack encoding of one batch. The ZMQ sockets are in engine/kv_event_publisher.py.
+the msgpack encoding of one batch. The ZMQ sockets (and who may read them) are in engine/kv/event_publisher.py.
 
 What is announced: every change to the set of cached (hashed) blocks of this engine's block pool, as
 the pool reports it (engine/block_pool.py `BlockEvents`): a full block given its hash -> BlockStored,
@@ -65,7 +65,9 @@ class KVEventsConfig:
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None         # "zmq" | "null"; None: "zmq" when events are enabled
-    endpoint: str = "tcp://*:5557"       # PUB; bound when it has a wildcard host (*, ::) or is ipc/inproc
+    # PUB; bound when its host is a wildcard (*, ::) or loopback, or it is ipc/inproc (event_publisher.binds).
+    # NOTE: vLLM's default is tcp://*:5557, every interface; ours is loopback: the events carry prompt tokens.
+    endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None   # ROUTER for subscribers that missed batches (always bound)
     buffer_steps: int = 10_000           # batches kept for replay
     hwm: int = 100_000                   # PUB send high-water mark: beyond it ZMQ drops for that subscriber

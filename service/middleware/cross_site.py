@@ -1,6 +1,16 @@
-"""What other web sites may make a browser do here: CORS, the WebSocket Origin check, JSON-only bodies.
+"""What other web sites may make a browser do here: the Host check, CORS, the WebSocket Origin check,
+JSON-only bodies.
 
-One list, `--allowed-origins` (default none; `*` for any), drives all three:
+The Host check (DNS rebinding): a hostile page on a name its owner points at 127.0.0.1 after the page has
+loaded is same-origin with this server in the browser's eyes; only the Host header (that name) tells it
+apart. So a request whose Host names neither this server nor an allowed host is refused with 421, before
+anything else. Allowed (`Hosts`): localhost, any IP address (a rebinding needs a DNS name: a page whose
+origin is an address was served from that address), the bound `--host` when it is a name, and
+`--allowed-hosts` (a `*` matches within one label: `prefixserve-engine-*` is not `prefixserve-engine-1.evil.net`;
+`*` alone turns the check off). A wildcard bind (`--host 0.0.0.0`) adds no name: list the names clients use.
+A request with no Host header at all (HTTP/1.0; never a browser) passes.
+
+One list, `--allowed-origins` (default none; `*` for any), drives the other three:
 
 - Preflight (OPTIONS with Origin and Access-Control-Request-Method) is answered here, before
   authentication (browsers send no key on it): 204 with the Access-Control-Allow-* headers for a
@@ -10,8 +20,10 @@ One list, `--allowed-origins` (default none; `*` for any), drives all three:
 - Every other response to a listed origin carries Access-Control-Allow-Origin (and exposes
   X-Request-Id); unlisted origins get no CORS header, so their pages cannot read the answer. The
   headers are set when the response is prepared, so SSE streams get them too.
-- A WebSocket upgrade whose Origin is present, not this server's own (Origin host == Host) and not
-  listed is refused with 403: the browser gives WebSockets no CORS protection, this check is it.
+- A WebSocket upgrade whose Origin is present, not this server's own and not listed is refused with
+  403: the browser gives WebSockets no CORS protection, this check is it. "This server's own" is an
+  Origin whose host passes the Host allow-list and whose host:port is the one the request reached (the
+  Host header, itself checked first): a page on another allowed port (localhost:3000) is not ours.
 - A POST/PUT/PATCH must say `Content-Type: application/json` (charset allowed), else 415. The
   types a cross-site form or `fetch` may send without a preflight (text/plain, form encodings, and
   none at all, e.g. a Blob body) are thereby refused, so no other page can make a visitor's browser
@@ -24,6 +36,7 @@ and cannot refuse WebSocket origins; this is one policy over one list.
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Awaitable, Callable
 
@@ -51,17 +64,65 @@ class Origins:
 
 
 ORIGINS = web.AppKey("allowed_origins", Origins)
+_LOOPBACK_NAMES = ("localhost",)
+_WILDCARD_BINDS = ("0.0.0.0", "::", "*", "")
+
+
+def host_name(authority: str) -> str:
+    """The name of a Host header or an Origin's authority: port, IPv6 brackets and a final dot dropped,
+    lowercased (`[::1]:8000` -> `::1`, `Example.com.:80` -> `example.com`)."""
+    h = authority.strip().lower()
+    if h.startswith("["):
+        h = h[1:h.find("]")] if "]" in h else h[1:]
+    elif h.count(":") == 1:
+        h = h.split(":", 1)[0]
+    return h.rstrip(".")
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class Hosts:
+    """The Host allow-list (see the module's docstring). A pattern's `*` matches one label's characters."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        entries = [host_name(h) if h != "*" else h for h in config.allowed_hosts]
+        bound = host_name(config.host)
+        names = {*_LOOPBACK_NAMES, *entries, *([bound] if bound not in _WILDCARD_BINDS else [])}
+        self._any = "*" in names
+        self._exact = frozenset(n for n in names if "*" not in n)
+        self._patterns = [re.compile(re.escape(n).replace(r"\*", "[a-z0-9-]*"))
+                          for n in names if "*" in n and n != "*"]
+
+    def allowed(self, name: str) -> bool:
+        return (self._any or name in self._exact or _is_address(name)
+                or any(p.fullmatch(name) for p in self._patterns))
+
+
+HOSTS = web.AppKey("allowed_hosts", Hosts)
 
 
 def same_origin(request: web.Request, origin: str) -> bool:
-    """Origin names this server as the browser reached it (the demo page's own host)."""
-    _, sep, host = origin.partition("://")
-    return bool(sep) and host.lower() == (request.host or "").lower()
+    """Origin names this server as the browser reached it (the demo page's own host): an allowed host, and
+    the host:port of this request (the Host header, already checked against the allow-list)."""
+    _, sep, authority = origin.partition("://")
+    host = request.headers.get(hdrs.HOST)
+    return (bool(sep) and host is not None and request.app[HOSTS].allowed(host_name(authority))
+            and authority.lower() == host.strip().lower())
 
 
 @web.middleware
 async def cross_site_middleware(request: web.Request,
                                 handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    host = request.headers.get(hdrs.HOST)
+    if host is not None and not request.app[HOSTS].allowed(host_name(host)):
+        raise ApiError(421, f"this server does not answer to the host {host[:200]!r} (see --allowed-hosts)",
+                       code="host_not_allowed")
     origins = request.app[ORIGINS]
     origin = request.headers.get(hdrs.ORIGIN)
     if request.method == "OPTIONS" and origin is not None and hdrs.ACCESS_CONTROL_REQUEST_METHOD in request.headers:
@@ -111,4 +172,5 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
 
 def setup(app: web.Application, config: ServiceConfig) -> None:
     app[ORIGINS] = Origins(config)
+    app[HOSTS] = Hosts(config)
     app.on_response_prepare.append(add_cors_headers)

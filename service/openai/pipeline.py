@@ -205,7 +205,8 @@ async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], S
             usage_chunk = {**shape.head(gen), "choices": []} if prepared.req.include_usage else None
             chunks = (lambda d: [{**c, "usage": gen.usage.as_dict()} for c in shape.chunks(gen, d)]) \
                 if prepared.req.continuous_usage else (lambda d: shape.chunks(gen, d))
-            return await sse.stream(request, gen, chunks, usage_chunk, ready.config.keepalive_interval, headers)
+            return await sse.stream(request, gen, chunks, usage_chunk, ready.config.keepalive_interval,
+                                    ready.config.write_timeout, headers)
         choices = await gen.collect()
         if prepared.lease is not None:
             await asyncio.shield(prepared.lease)

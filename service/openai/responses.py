@@ -43,7 +43,7 @@ from service.openai.generation import ChoiceDelta, Generation
 from service.openai.params import check_model
 from service.openai.pipeline import Prepared, off_loop, read_body
 from service.openai.schema import ResponsesRequest, parse_model
-from service.openai.sse import KEEPALIVE, SSE_HEADERS
+from service.openai.sse import KEEPALIVE, SSE_HEADERS, SSEResponse
 from service.state import STATE
 from service.tenants import caller_of
 
@@ -352,7 +352,7 @@ async def _stream(request: web.Request, gen: Generation, prepared: Prepared, bod
     """The SDK's event sequence. Plain text streams as it comes; with tools the answer is held to the end
     (it may turn out to be a call) and its items are then sent whole."""
     model = prepared.ready.model_name
-    resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
+    resp = SSEResponse(request, prepared.ready.config.write_timeout, {**SSE_HEADERS, **headers})
     await resp.prepare(request)
     ev = _Events(resp)
     shell = _response(rid, created, model, body, "in_progress", [], None)
@@ -389,34 +389,37 @@ async def _stream(request: web.Request, gen: Generation, prepared: Prepared, bod
         await resp.write_eof()
         return resp
     answer = _answer(prepared, ChoiceDelta(0, text, [], finish))
-    items: list[dict[str, Any]] = []
-    if live:
-        if not opened:
-            await _open_message(ev, msg_id)
-        items.append(await _close_message(ev, msg_id, 0, text))
-    else:
-        for item in _items(answer):
-            index = len(items)
-            if item["type"] == "message":
-                await _open_message(ev, item["id"], index)
-                if item["content"][0]["text"]:
-                    await ev.send("response.output_text.delta", item_id=item["id"], output_index=index,
-                                  content_index=0, delta=item["content"][0]["text"], logprobs=[])
-                items.append(await _close_message(ev, item["id"], index, item["content"][0]["text"]))
-            else:
-                await ev.send("response.output_item.added", output_index=index,
-                              item={**item, "arguments": "", "status": "in_progress"})
-                await ev.send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                              delta=item["arguments"])
-                await ev.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                              name=item["name"], arguments=item["arguments"])
-                await ev.send("response.output_item.done", output_index=index, item=item)
-                items.append(item)
-    status = "incomplete" if answer.finish == "length" else "completed"
-    final = _response(rid, created, model, body, status, items, _usage(gen))
-    keep(final)
-    await ev.send("response.incomplete" if status == "incomplete" else "response.completed", response=final)
-    await resp.write_eof()
+    try:               # the answer's items, whole: a client gone or not reading by now just misses them
+        items: list[dict[str, Any]] = []
+        if live:
+            if not opened:
+                await _open_message(ev, msg_id)
+            items.append(await _close_message(ev, msg_id, 0, text))
+        else:
+            for item in _items(answer):
+                index = len(items)
+                if item["type"] == "message":
+                    await _open_message(ev, item["id"], index)
+                    if item["content"][0]["text"]:
+                        await ev.send("response.output_text.delta", item_id=item["id"], output_index=index,
+                                      content_index=0, delta=item["content"][0]["text"], logprobs=[])
+                    items.append(await _close_message(ev, item["id"], index, item["content"][0]["text"]))
+                else:
+                    await ev.send("response.output_item.added", output_index=index,
+                                  item={**item, "arguments": "", "status": "in_progress"})
+                    await ev.send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                  delta=item["arguments"])
+                    await ev.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  name=item["name"], arguments=item["arguments"])
+                    await ev.send("response.output_item.done", output_index=index, item=item)
+                    items.append(item)
+        status = "incomplete" if answer.finish == "length" else "completed"
+        final = _response(rid, created, model, body, status, items, _usage(gen))
+        keep(final)
+        await ev.send("response.incomplete" if status == "incomplete" else "response.completed", response=final)
+        await resp.write_eof()
+    except ConnectionError:
+        pass
     return resp
 
 

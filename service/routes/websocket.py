@@ -19,11 +19,20 @@ engine requests are aborted in its `finally`. A cancel does not cancel the task:
 generation (its engine requests are aborted at the next step) and the task ends it with a `done` whose
 unfinished choices say "cancelled". A bad frame gets an `error` frame; the socket and its other
 generations go on. Closing the socket cancels the tasks.
+
+Bounds: one client (its API key, or its address when no keys are configured) holds at most
+`max_ws_per_client` sockets (the next upgrade gets 429 `too_many_websockets`, before the handshake); a
+socket with no generation running that receives no frame for `ws_idle_timeout` seconds is closed with
+code 4408 (ours, after HTTP's 408); a frame the client leaves unread for `write_timeout` seconds (its
+receive window full) aborts the connection, and with it every generation on it.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +43,7 @@ from engine.errors import EngineError
 from prefix_store.errors import RegistryError
 from service.errors import ApiError, invalid, to_api_error
 from service.middleware.access_log import record_usage
-from service.middleware.auth import WS_PROTOCOL
+from service.middleware.auth import WS_PROTOCOL, presented_key
 from service.middleware.metrics import METRICS
 from service.openai import pipeline
 from service.openai.generation import Generation
@@ -65,14 +74,31 @@ class Session:
         self.state = request.app[STATE]
         self.live: dict[str, _Generation] = {}     # json-encoded id -> its generation
         self.draining = False
+        self.last_active = 0.0                      # loop time of the last frame in, or the last generation's end
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        idle = self.state.config.ws_idle_timeout
+        self.last_active = loop.time()
         try:
-            async for msg in self.ws:
+            while True:
+                waited = loop.time() - self.last_active
+                try:
+                    msg = await self.ws.receive(timeout=idle if self.live else max(idle - waited, 0.001))
+                except TimeoutError:
+                    if self.live or loop.time() - self.last_active < idle:
+                        continue
+                    await self.ws.close(code=IDLE_CLOSE_CODE, message=f"idle for {idle:g} s".encode())
+                    break
+                self.last_active = loop.time()
                 if msg.type == WSMsgType.TEXT:
                     await self.on_text(msg.data)
                 elif msg.type == WSMsgType.BINARY:
                     await self.send_error(None, invalid("binary frames are not supported; send JSON text"))
+                elif msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                    break
+        except ConnectionError:
+            pass            # the peer went away, or stopped reading (send): the finally cancels its generations
         finally:
             tasks = [g.task for g in self.live.values() if g.task is not None]
             for g in list(self.live.values()):
@@ -80,6 +106,18 @@ class Session:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def send(self, frame: dict[str, Any]) -> None:
+        """Sends one frame; ConnectionResetError when the peer is gone or has left it unread for
+        `write_timeout` seconds (then the connection is aborted: nothing more can reach that client)."""
+        timeout = self.state.config.write_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await self.ws.send_json(frame)
+        except TimeoutError:
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            raise ConnectionResetError(f"the client left a frame unread for {timeout:g} s") from None
 
     async def on_text(self, data: str) -> None:
         try:
@@ -141,20 +179,22 @@ class Session:
                                  "token_ids": d.token_ids}
                         if tokens is not None and top_k is not None:
                             frame["logprobs"] = chat_logprobs(tokens, d.token_ids, d.logprobs or [], top_k)["content"]
-                        await self.ws.send_json(frame)
+                        await self.send(frame)
                     if d.finish_reason is not None:
                         live.reasons[d.index] = d.finish_reason
             reasons: list[str | None] = [r or "cancelled" for r in live.reasons] if live.cancelled else live.reasons
             await self.send_done(gid, reasons, gen, prepared.parsed.ignored)
         except (ApiError, EngineError, RegistryError) as exc:
-            await self.send_error(gid, exc)
+            with contextlib.suppress(ConnectionError):
+                await self.send_error(gid, exc)
         except ConnectionError:
-            pass  # the peer went away mid-send; the finally aborts
+            pass  # the peer went away mid-send, or stopped reading; the finally aborts
         finally:
             if live.gen is not None:
                 live.gen.close()
                 record_usage(self.request, live.gen.usage)
             self.live.pop(key, None)
+            self.last_active = asyncio.get_running_loop().time()       # idle from the end of its last generation
             if self.draining and not self.live:
                 await self.ws.close(code=1001, message=b"server shutting down")
 
@@ -165,12 +205,12 @@ class Session:
                      "usage": gen.usage.as_dict()}
             if ignored:
                 frame["ignored_fields"] = ignored
-            await self.ws.send_json(frame)
+            await self.send(frame)
 
     async def send_error(self, gid: Any, exc: ApiError | EngineError | RegistryError) -> None:
         err = to_api_error(exc)
         if not self.ws.closed:
-            await self.ws.send_json({"type": "error", "id": gid, "error": err.body()["error"]})
+            await self.send({"type": "error", "id": gid, "error": err.body()["error"]})
 
     async def drain(self) -> None:
         """Shutdown: let running generations finish, then close with 1001 (going away)."""
@@ -180,26 +220,47 @@ class Session:
 
 
 SESSIONS: web.AppKey[set[Session]] = web.AppKey("ws_sessions")
+CLIENTS: web.AppKey[Counter[str]] = web.AppKey("ws_clients")      # client -> its open sockets (no zero entries)
+IDLE_CLOSE_CODE = 4408
+
+
+def _client(request: web.Request) -> str:
+    """Who a socket counts against: its API key (a digest), or its peer address when keys are off."""
+    key = presented_key(request)
+    return "key:" + hashlib.sha256(key.encode()).hexdigest() if key is not None else f"addr:{request.remote}"
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=request.app[STATE].config.max_body_bytes,
+    config = request.app[STATE].config
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=config.max_body_bytes,
                                protocols=(WS_PROTOCOL,))  # offered with a key by browsers (service/auth.py)
     if not ws.can_prepare(request).ok:
         raise invalid("GET /v1/ws expects a WebSocket upgrade request")
     request.app[STATE].ready_engine()
-    await ws.prepare(request)
-    session = Session(request, ws)
-    request.app[SESSIONS].add(session)
+    clients, client = request.app[CLIENTS], _client(request)
+    if clients[client] >= config.max_ws_per_client:
+        raise ApiError(429, f"this client already holds {clients[client]} WebSockets, the most one may "
+                       f"(--max-ws-per-client {config.max_ws_per_client}); close one, or multiplex generations "
+                       "on one socket", type="rate_limit_error", code="too_many_websockets")
+    clients[client] += 1
     try:
-        await session.run()
+        await ws.prepare(request)
+        session = Session(request, ws)
+        request.app[SESSIONS].add(session)
+        try:
+            await session.run()
+        finally:
+            request.app[SESSIONS].discard(session)
     finally:
-        request.app[SESSIONS].discard(session)
+        clients[client] -= 1
+        if clients[client] <= 0:
+            del clients[client]
     return ws
 
 
 def setup(app: web.Application) -> None:
     app[SESSIONS] = set[Session]()
+    app[CLIENTS] = Counter()
     app.router.add_get("/v1/ws", handle)
 
     async def drain_all(app: web.Application) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -82,14 +83,25 @@ def flatten(messages: list[Message]) -> list[tuple[Any, ...]]:
 
 
 class Subscriber:
-    def __init__(self, endpoint: str, topic: str = "") -> None:
+    """`server_key` (the publisher's Z85 public key) makes it a CURVE client, with the key pair `client` (Z85
+    public, secret) or a fresh one."""
+
+    def __init__(self, endpoint: str, topic: str = "", server_key: str | None = None,
+                 client: tuple[bytes, bytes] | None = None) -> None:
         self.ctx = zmq.Context()
         self.topic = topic.encode()
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
+        self.curve = (server_key.encode(), *(client or zmq.curve_keypair())) if server_key is not None else None
+        self.sub = self._socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self.sub.connect(endpoint)
         self.received: list[Message] = []
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self.curve
+        return sock
 
     def poll(self, timeout: float = 0.2) -> list[Message]:
         """Receives what arrives within `timeout` seconds of quiet."""
@@ -110,8 +122,7 @@ class Subscriber:
 
     def replay(self, endpoint: str, start: int, timeout: float = 10.0) -> list[Message]:
         """Asks the publisher's ROUTER for every buffered batch from `start`, until END_SEQ."""
-        req = self.ctx.socket(zmq.DEALER)
-        req.setsockopt(zmq.LINGER, 0)
+        req = self._socket(zmq.DEALER)
         req.connect(endpoint)
         try:
             req.send_multipart([b"", start.to_bytes(8, "big")])
@@ -131,3 +142,18 @@ class Subscriber:
     def close(self) -> None:
         self.sub.close()
         self.ctx.term()
+
+
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F"}      # 127.0.0.1, ::ffff:127.0.0.1 in /proc/net/tcp*
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) with a TCP socket listening on `port`."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                out.add(address)
+    return out

@@ -51,8 +51,11 @@ class ReplicaPorts:
         return self.http * 10 + i
 
     def kv_config(self, i: int) -> str:
+        """Compose's KV events JSON with replica i's ports, bound on loopback (compose: the container's own
+        interfaces)."""
         return ('{"enable_kv_cache_events": true, "publisher": "zmq", '
-                f'"endpoint": "tcp://*:{self.events * 10 + i}", "replay_endpoint": "tcp://*:{self.replay * 10 + i}"}}')
+                f'"endpoint": "tcp://127.0.0.1:{self.events * 10 + i}", '
+                f'"replay_endpoint": "tcp://127.0.0.1:{self.replay * 10 + i}"}}')
 
     def env(self) -> dict[str, str]:
         return {"ENGINE_REPLICAS": str(self.n), "ENGINE_URL": f"http://127.0.0.1:{self.http}%s",

@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
+import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 import redis as redis_py
 import requests
 
-from tests.helpers.redis_server import RedisServer
+from engine.kv.events import KVEventsConfig
+from tests.helpers.kv_subscriber import LOOPBACK, listening
+from tests.helpers.redis_server import RedisServer, free_port
 from tests.helpers.server import ServerProcess, http
 
 SYSTEM = "You are the reliability suite's system prompt; answer in one short line about caches. " * 3
@@ -282,3 +288,180 @@ def test_vattention_mappings_stay_bounded_and_health_truthful(tiny_llama_dir: Pa
         status, again = http("POST", f"{s.url}/v1/completions", flood[0])
         assert status in (200, 507), again
         assert s.health() == 200 and s.metric("prefixserve_vattention_failed") == 0
+
+
+def _registration_storm(url: str, k: int, tag: str, stop: threading.Event) -> None:
+    i = 0
+    while not stop.is_set():
+        try:
+            http("POST", f"{url}/v1/prefixes", {"name": f"storm-{k}-{i % 4}", "prompt": f"{tag} {k} {i} {SYSTEM}"},
+                 timeout=5)
+            http("DELETE", f"{url}/v1/prefixes/storm-{k}-{(i + 2) % 4}", timeout=5)
+        except OSError:
+            return
+        i += 1
+
+
+def test_sigterm_during_a_registration_storm_exits_in_time(tiny_llama_dir: Path, redis: RedisServer) -> None:
+    """Issue 24, item 17: SIGTERM while registrations are in flight (Redis registry) used to hang until SIGKILL:
+    the registry waited on its events task, which stopped only once the store was closed, after the wait (and
+    redis-py may swallow the cancellation of a command in flight, so the task never saw it)."""
+    shutdown_timeout = 2.0
+    args = ["--model", str(tiny_llama_dir), "--max-model-len", "256", "--num-kv-blocks", "256", "--block-size", "8",
+            "--redis-url", redis.url, "--shutdown-timeout", str(shutdown_timeout)]
+    for attempt in range(2):                 # the hang struck about one SIGTERM in two
+        with ServerProcess(args).start() as s:
+            assert s.proc is not None
+            stop = threading.Event()
+            threads = [threading.Thread(target=_registration_storm, args=(s.url, k, str(attempt), stop), daemon=True)
+                       for k in range(6)]
+            for t in threads:
+                t.start()
+            time.sleep(1.0 + 0.3 * attempt)
+            start = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            try:
+                s.proc.wait(shutdown_timeout + 8)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"still running {time.monotonic() - start:.1f} s after SIGTERM:\n{s.log()}")
+            finally:
+                stop.set()
+            for t in threads:
+                t.join(10)
+            assert s.proc.returncode == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
+    """A server with small network limits: 3 WebSockets a client, idle ones closed after 1.5 s, writes that wait
+    more than 1 s aborted, one extra allowed host, KV events on the default host (a free port)."""
+    host = KVEventsConfig().endpoint.rsplit(":", 1)[0]
+    events = {"enable_kv_cache_events": True, "endpoint": f"{host}:{free_port()}",
+              "replay_endpoint": f"{host}:{free_port()}"}
+    args = ["--model", str(tiny_llama_dir), "--max-model-len", "1024", "--num-kv-blocks", "4200",
+            "--max-ws-per-client", "3", "--ws-idle-timeout", "1.5", "--write-timeout", "1",
+            "--allowed-hosts", "api.internal", "--kv-events-config", json.dumps(events)]
+    with ServerProcess(args).start() as s:
+        yield s
+
+
+def test_kv_events_listen_on_loopback_only(guarded: ServerProcess) -> None:
+    """Issue 24, item 5: the documented KV events configuration bound every interface."""
+    sources = http("GET", f"{guarded.url}/kv_event_sources")[1]["0"]
+    for endpoint in (sources["endpoint"], sources["replay_endpoint"]):
+        port = int(endpoint.rsplit(":", 1)[1])
+        assert listening(port) and listening(port) <= LOOPBACK, (endpoint, listening(port))
+
+
+def test_a_forged_host_and_a_foreign_origin_are_refused(guarded: ServerProcess) -> None:
+    """Issue 24, item 7 (DNS rebinding): a Host this server does not answer to gets 421 on every path, and a
+    WebSocket is refused whether its Origin matches that forged Host or not."""
+    port = guarded.port
+
+    def status(method: str, path: str, host: str) -> tuple[int, Any]:
+        r = requests.request(method, guarded.url + path, json={"prompt": "hi", "max_tokens": 1} if method == "POST"
+                             else None, headers={"Host": host}, timeout=30)
+        return r.status_code, r.json() if r.headers.get("Content-Type", "").startswith("application/json") else r.text
+
+    def run() -> None:
+        for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/prefixes"),
+                             ("GET", "/"), ("GET", "/health"), ("GET", "/metrics")]:
+            code, body = status(method, path, f"evil.example.net:{port}")
+            assert code == 421 and body["error"]["code"] == "host_not_allowed", (path, code, body)
+            assert set(body["error"]) == {"message", "type", "param", "code"}
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"api.internal:{port}", f"[::1]:{port}"):
+            assert status("GET", "/v1/models", host)[0] == 200, host
+
+        async def ws(**headers: str) -> int:
+            async with _session() as s:
+                try:
+                    async with s.ws_connect(f"{guarded.url.replace('http', 'ws')}/v1/ws", headers=headers):
+                        return 101
+                except aiohttp.WSServerHandshakeError as exc:
+                    return exc.status
+
+        async def sockets() -> list[int]:
+            return [await ws(Host=f"evil.example.net:{port}", Origin=f"http://evil.example.net:{port}"),
+                    await ws(Origin=f"http://evil.example.net:{port}"),
+                    await ws(Host=f"api.internal:{port}", Origin=f"http://api.internal:{port}"),
+                    await ws(Host=f"api.internal:{port}", Origin="http://api.internal:1")]
+        assert asyncio.run(sockets()) == [421, 403, 101, 403]
+    attack(guarded, run)
+
+
+def test_websockets_per_client_are_capped_and_idle_ones_closed(guarded: ServerProcess) -> None:
+    """Issue 24, item 11: idle WebSockets were never closed and one client could hold any number."""
+    url = guarded.url.replace("http", "ws") + "/v1/ws"
+
+    async def run() -> None:
+        async with _session() as s:
+            held = [await s.ws_connect(url) for _ in range(3)]
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await s.ws_connect(url)
+            assert refused.value.status == 429
+            async with s.get(f"{guarded.url}/v1/ws", headers={"Upgrade": "websocket", "Connection": "Upgrade",
+                                                              "Sec-WebSocket-Version": "13",
+                                                              "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}) as r:
+                assert r.status == 429 and (await r.json())["error"]["code"] == "too_many_websockets"
+            async with s.get(f"{guarded.url}/health") as r:
+                assert r.status == 200
+            # one socket keeps talking (a frame every 0.5 s, a generation); the two silent ones are closed
+            t0 = time.monotonic()
+            for i in range(6):
+                await held[0].send_json({"type": "generate", "id": i, "prompt": "hi", "max_tokens": 2})
+                while (await held[0].receive_json(timeout=10))["type"] != "done":
+                    pass
+                await asyncio.sleep(0.5)
+            for idle in held[1:]:
+                msg = await idle.receive(timeout=5)
+                assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 4408, msg
+            assert time.monotonic() - t0 >= 1.5 and not held[0].closed
+            fresh = await s.ws_connect(url)             # the closed ones no longer count
+            await fresh.close()
+            for ws in held:
+                await ws.close()
+    attack(guarded, lambda: asyncio.run(run()))
+
+
+def _finished(srv: ServerProcess, reason: str) -> float:
+    text = requests.get(f"{srv.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{") and f'finished_reason="{reason}"' in line)
+
+
+def test_a_client_that_never_reads_is_cut_off(guarded: ServerProcess) -> None:
+    """Issue 24, item 15: a client that never read held its SSE handler and its buffered output forever (and
+    its generation ran to the end). Now the write that waits longer than --write-timeout aborts it. 64 choices
+    with 20 logprobs each fill the client's 4 KiB window and the server's buffers (4 MiB on loopback) within
+    seconds; running to the end would take 64,000 tokens."""
+    def run() -> None:
+        aborted = _finished(guarded, "abort")
+        body = json.dumps({"prompt": "never read", "max_tokens": 1000, "n": 64, "logprobs": 20, "ignore_eos": True,
+                           "stream": True}).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", guarded.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        t0 = time.monotonic()
+        while guarded.metric("vllm:num_requests_running") == 0:
+            assert time.monotonic() - t0 < 20
+            time.sleep(0.05)
+        assert http("POST", f"{guarded.url}/v1/completions", {"prompt": "a neighbour", "max_tokens": 3})[0] == 200
+        while guarded.metric("vllm:num_requests_running") > 0:     # aborted, not run to its 64,000 tokens
+            assert time.monotonic() - t0 < 60
+            time.sleep(0.1)
+        assert guarded.metric("vllm:generation_tokens_total") < 40_000
+        assert _finished(guarded, "abort") > aborted
+        status, load = http("GET", f"{guarded.url}/get_load")
+        assert status == 200 and load["load"] == 0
+        sock.settimeout(5)
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+        assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+        sock.close()
+    attack(guarded, run)

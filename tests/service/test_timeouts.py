@@ -47,7 +47,7 @@ def test_trickled_headers_are_dropped(impatient: ServerThread) -> None:
 
 def test_a_body_that_never_arrives_gets_408(impatient: ServerThread) -> None:
     s = _connect(impatient)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: 100\r\n\r\n{\"prompt\":")
     answer = b""
     while b"}}" not in answer:                              # the end of the error body

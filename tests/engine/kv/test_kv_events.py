@@ -17,7 +17,16 @@ from engine.kv.event_publisher import ZmqEventPublisher
 from engine.kv.events import KVEventQueue, KVEventsConfig, encode_batch, events_of, external_hash
 from engine.llm_engine import LLMEngine
 from engine.sequence import SamplingParams
-from tests.helpers.kv_subscriber import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, Subscriber, flatten
+from tests.helpers.kv_subscriber import (
+    LOOPBACK,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    Subscriber,
+    flatten,
+    listening,
+)
 from tests.helpers.redis_server import free_port
 
 
@@ -150,3 +159,63 @@ def test_a_port_in_use_is_a_clear_error() -> None:
                               KVEventQueue(10), block_size=16).start()
     finally:
         first.close()
+
+
+def test_the_default_endpoint_and_the_readmes_example_bind_loopback_only() -> None:
+    """Issue 24, item 5: the documented configuration bound tcp://*:5557 (and the replay socket) on every
+    interface: anyone who could reach the host read every prompt's token ids."""
+    default = KVEventsConfig(enable_kv_cache_events=True)
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    example = json.loads(readme.split("--kv-events-config '", 1)[1].split("'", 1)[0].replace("\n", " "))
+    assert example["endpoint"] == "tcp://127.0.0.1:5557" and example["replay_endpoint"] == "tcp://127.0.0.1:5558"
+    pub, rep = free_port(), free_port()
+    host = default.endpoint.rsplit(":", 1)[0]
+    publisher = ZmqEventPublisher(dataclasses.replace(default, endpoint=f"{host}:{pub}",
+                                                      replay_endpoint=f"{host}:{rep}"),
+                                  KVEventQueue(10), block_size=16).start()
+    try:
+        assert listening(pub) and listening(pub) <= LOOPBACK, listening(pub)    # bound, loopback only
+        assert listening(rep) and listening(rep) <= LOOPBACK, listening(rep)
+    finally:
+        publisher.close()
+
+
+def test_with_curve_only_admitted_subscribers_get_events() -> None:
+    """The shared-secret option: CURVE with a server key pair and the subscribers' public keys listed. A plain
+    subscriber, and a CURVE one whose key is not listed, get nothing, neither live nor by replay."""
+    server_public, server_secret = zmq.curve_keypair()
+    admitted, stranger = zmq.curve_keypair(), zmq.curve_keypair()
+    cfg = EngineConfig(kv_events_config=json.dumps({"enable_kv_cache_events": True}),
+                       kv_events_secret_key=server_secret.decode(), kv_events_client_keys=(admitted[0].decode(),))
+    curve = cfg.kv_events_curve()
+    assert curve is not None and curve.public_key == server_public.decode()
+    assert server_secret.decode() not in repr(cfg) + repr(curve)
+    pub, rep = free_port(), free_port()
+    q = KVEventQueue(100)
+    publisher = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{pub}",
+                                                 replay_endpoint=f"tcp://127.0.0.1:{rep}"),
+                                  q, block_size=16, curve=curve).start()
+    subs = {"plain": Subscriber(f"tcp://127.0.0.1:{pub}"),
+            "stranger": Subscriber(f"tcp://127.0.0.1:{pub}", server_key=curve.public_key, client=stranger),
+            "admitted": Subscriber(f"tcp://127.0.0.1:{pub}", server_key=curve.public_key, client=admitted)}
+    try:
+        time.sleep(0.5)                              # handshakes (and refusals) done
+        for i in range(3):
+            q.removed(i.to_bytes(32, "big"))  # type: ignore[arg-type]
+            time.sleep(0.05)
+        subs["admitted"].wait_for(lambda got: len(flatten(got)) == 3)
+        assert subs["plain"].poll(0.5) == [] and subs["stranger"].poll(0.2) == []
+        assert len(flatten(subs["admitted"].replay(f"tcp://127.0.0.1:{rep}", start=0))) == 3
+        for name in ("plain", "stranger"):
+            with pytest.raises(AssertionError, match="replay timed out"):
+                subs[name].replay(f"tcp://127.0.0.1:{rep}", start=0, timeout=0.5)
+    finally:
+        publisher.close()
+        for s in subs.values():
+            s.close()
+    for bad in [dict(kv_events_secret_key="," * 40), dict(kv_events_secret_key=server_secret.decode()[:39]),
+                dict(kv_events_secret_key=server_secret.decode(), kv_events_client_keys=("nope",))]:
+        with pytest.raises(ValueError, match="40 characters of Z85"):
+            EngineConfig(kv_events_config='{"enable_kv_cache_events": true}', **bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="need KV events on"):
+        EngineConfig(kv_events_secret_key=server_secret.decode())

@@ -133,6 +133,40 @@ def test_websocket_origin_check(srv: ServerThread) -> None:
                                   "null": 403}
 
 
+def test_websocket_origin_is_checked_against_the_host_allow_list_not_the_host_header(srv: ServerThread) -> None:
+    """Issue 24, item 7: Origin == Host passed, so a rebound page (Origin and Host both its own name) opened
+    the socket; now its Host is refused (421) and its Origin would be too (not an allowed host)."""
+    async def run() -> dict[str, int]:
+        port = srv.port
+        return {
+            "rebound": await _ws_status(srv.url, Origin=f"http://evil.example.net:{port}",
+                                        Host=f"evil.example.net:{port}"),
+            "foreign origin": await _ws_status(srv.url, Origin=f"http://evil.example.net:{port}"),
+            "localhost": await _ws_status(srv.url, Origin=f"http://localhost:{port}", Host=f"localhost:{port}"),
+        }
+    assert asyncio.run(run()) == {"rebound": 421, "foreign origin": 403, "localhost": 101}
+
+
+def test_host_allow_list() -> None:
+    from service.middleware.cross_site import Hosts, host_name
+
+    def allowed(hosts: Hosts, *headers: str) -> list[bool]:
+        return [hosts.allowed(host_name(h)) for h in headers]
+
+    default = Hosts(ServiceConfig())
+    assert allowed(default, "localhost:8000", "LocalHost.", "127.0.0.1:8000", "[::1]:8000", "10.1.2.3") == [True] * 5
+    assert allowed(default, "evil.example.net", "127.0.0.1.nip.io:8000", "localhost.evil.net") == [False] * 3
+    assert allowed(Hosts(ServiceConfig(host="api.internal")), "api.internal:8000", "other.internal") == [True, False]
+    assert allowed(Hosts(ServiceConfig(host="0.0.0.0")), "my-laptop:8000", "10.1.2.3:8000") == [False, True]
+    listed = Hosts(ServiceConfig(allowed_hosts=("prefixserve-engine-*", "*.Example.com.")))
+    assert allowed(listed, "prefixserve-engine-12:8000", "api.example.com", "prefixserve-engine-1.evil.net",
+                   "a.b.example.com", "example.com") == [True, True, False, False, False]
+    assert allowed(Hosts(ServiceConfig(allowed_hosts=("*",))), "anything.at.all") == [True]
+    for bad in ("http://x", "a b", "x/y", "a:80"):
+        with pytest.raises(ValueError, match="allowed_hosts"):
+            ServiceConfig(allowed_hosts=(bad,))
+
+
 def test_any_origin_when_configured() -> None:
     any_origin = Origins(ServiceConfig(allowed_origins=("*",)))
     listed = Origins(ServiceConfig(allowed_origins=("HTTPS://App.Example.com/",)))
@@ -221,4 +255,44 @@ def test_a_hostile_page_in_a_real_browser_gets_nothing(srv: ServerThread, attack
     assert count("415", "/v1/prefixes") - before[("415", "/v1/prefixes")] == 2
     assert count("415", "/v1/completions") - before[("415", "/v1/completions")] == 1
     assert count("403", "/v1/ws") - before[("403", "/v1/ws")] == 1
+    assert requests.get(f"{srv.url}/v1/prefixes", timeout=10).json()["data"] == []
+
+
+def test_dns_rebinding_in_a_real_browser_gets_421(srv: ServerThread) -> None:
+    """The browser resolves evil.test to 127.0.0.1 (what a rebinding attacker's DNS does once the page has
+    loaded), so a page on http://evil.test:<port> is same-origin with this server for the browser: no CORS,
+    no preflight. Only the Host header gives it away, and every request and the WebSocket get 421."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("no chromium on PATH (`make test` installs Debian's)")
+    origin = f"http://evil.test:{srv.port}"
+    script = """async () => {
+      const R = {};
+      const post = (path, body) => fetch(path, {method: "POST", headers: {"Content-Type": "application/json"},
+                                                body: JSON.stringify(body)});
+      R.register = (await post("/v1/prefixes", {name: "rebound", prompt: PROMPT})).status;
+      R.generate = (await post("/v1/completions", {prompt: "hi", max_tokens: 1})).status;
+      R.models = (await fetch("/v1/models")).status;
+      R.error = (await (await fetch("/v1/models")).json()).error.code;
+      R.ws = await new Promise((resolve) => {
+        const ws = new WebSocket("ws://" + location.host + "/v1/ws");
+        ws.onopen = () => resolve("open");
+        ws.onclose = (e) => resolve("closed " + e.code);
+      });
+      return R;
+    }""".replace("PROMPT", json.dumps(PREFIX_TEXT))
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True,
+                                    args=["--no-sandbox", "--disable-gpu", "--no-first-run",
+                                          "--host-resolver-rules=MAP evil.test 127.0.0.1"])
+        try:
+            page = browser.new_page()
+            first = page.goto(origin + "/")
+            assert first is not None and first.status == 421
+            results = page.evaluate(script)
+        finally:
+            browser.close()
+    assert results == {"register": 421, "generate": 421, "models": 421, "error": "host_not_allowed",
+                       "ws": "closed 1006"}, results
     assert requests.get(f"{srv.url}/v1/prefixes", timeout=10).json()["data"] == []
