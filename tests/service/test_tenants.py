@@ -139,11 +139,11 @@ def test_what_follows_a_published_prefix_is_not_shared_across_tenants(srv: Serve
 
 
 def test_leases_end_unless_hit_and_can_be_changed(srv: ServerThread) -> None:
-    body = {"name": "leased", "prompt": "A leased prompt. " + SECRET, "ttl_seconds": 2}
+    body = {"name": "leased", "prompt": "A leased prompt. " + SECRET, "ttl_seconds": 3}
     resp = api(srv, "POST", "/v1/prefixes", A, body)
-    assert resp.status_code == 201 and resp.json()["ttl_seconds"] == 2 and resp.json()["expires_at"] is not None
-    for _ in range(4):                                # hits keep it: 4 x 1 s > its 2 s lease
-        time.sleep(1.0)
+    assert resp.status_code == 201 and resp.json()["ttl_seconds"] == 3 and resp.json()["expires_at"] is not None
+    for _ in range(3):                                # hits keep it: 3 x 1.4 s > its 3 s lease
+        time.sleep(1.4)
         assert complete(srv, A, " Still there?", prefix="leased")["cached"] > 0
     patched = api(srv, "PATCH", "/v1/prefixes/leased", A, {"ttl_seconds": 1, "description": "short"})
     assert patched.status_code == 200 and patched.json()["description"] == "short"
