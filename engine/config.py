@@ -55,9 +55,9 @@ class EngineConfig:
                            kv_backends.names())
     map_ahead_tokens: int = knob(4, "vattention: a decoding request gets its next page this many tokens before it "
                                     "needs it, mapped by a background thread during a forward pass (0: never ahead)")
-    vattention_max_mappings: int = knob(32768, "vattention: most memory mappings (kernel VMAs) its KV cache may "
-                                               "hold, of the process's vm.max_map_count (65,530 by default); "
-                                               "what would need more is refused (HTTP 507)")
+    kv_max_mappings: int = knob(32768, "vattention: most memory mappings (kernel VMAs) its KV cache may hold, of "
+                                       "the process's vm.max_map_count (65,530 by default); what would need more "
+                                       "is refused (HTTP 507)")
     compile_decode: bool = knob(False, "torch.compile the decode step (one graph per batch bucket 1-32, compiled at "
                                        "startup; prefill and larger batches stay eager; CPU only for now)")
     enable_prefix_caching: bool = knob(True, "share full KV blocks between requests with the same prefix")
@@ -99,7 +99,7 @@ class EngineConfig:
             (self.kv_backend in kv_backends.names(),
              f"kv_backend must be one of {kv_backends.names()}, got {self.kv_backend!r}"),
             (self.map_ahead_tokens >= 0, "map_ahead_tokens must be >= 0"),
-            (self.vattention_max_mappings >= 16, "vattention_max_mappings must be >= 16"),
+            (self.kv_max_mappings >= 16, "kv_max_mappings must be >= 16"),
             (not self.compile_decode or self.device == "cpu",
              "compile_decode runs on the CPU only for now (CUDA graphs are not built yet)"),
             (self.chat_template is None or "{{" in self.chat_template or "{%" in self.chat_template

@@ -125,7 +125,7 @@ class EngineCore:
         attention = backend.attention(self.attention_backend)
         self.kv_cache: KVStore = backend.create(CacheSpec(args, num_blocks, self.block_size, dtype, config.device,
                                                           self.max_model_len, config.max_num_seqs, attention,
-                                                          config.map_ahead_tokens, config.vattention_max_mappings))
+                                                          config.map_ahead_tokens, config.kv_max_mappings))
         self.manager = BlockManager(self.pool, self.block_size, loaded.fingerprint, config.enable_prefix_caching,
                                     self.kv_cache.placement)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)

@@ -158,7 +158,7 @@ class VAttentionCache:
         cost = 2 * len(runs) + 1                                # the new reservation, beside the old one
         if self.map_areas() + cost > self.limit:
             raise self._refuse(newcomers, f"{num_slots} slots would take more than the limit of {self.limit} memory "
-                                          "mappings (--vattention-max-mappings); retry later")
+                                          "mappings (--kv-max-mappings); retry later")
         old_slots = self.range.num_slots
         try:
             self.range.move(num_slots, runs, cost, 2 * self.slots.num_runs + 1)
@@ -233,7 +233,7 @@ class VAttentionCache:
                 refused.append(n.seq_id)
                 runs -= d
         raise self._refuse(refused, f"it would take more than the limit of {self.limit} memory mappings "
-                                    f"(--vattention-max-mappings; {self.map_areas()} in use); fewer samples (n, "
+                                    f"(--kv-max-mappings; {self.map_areas()} in use); fewer samples (n, "
                                     "best_of) or a shorter prompt need fewer, or retry later")
 
     def _map_now(self, need: _Need) -> None:
@@ -321,7 +321,7 @@ class VAttentionCache:
             "map_areas": KVStat("gauge", self.map_areas(), "Memory mappings (kernel VMAs) the vAttention cache holds, "
                                 "at most"),
             "mapping_limit": KVStat("gauge", self.limit, "Memory mappings the vAttention cache may hold "
-                                    "(--vattention-max-mappings, or less if the process has fewer left)"),
+                                    "(--kv-max-mappings, or less if the process has fewer left)"),
             "refused_seqs": KVStat("counter", self.refused_seqs, "Sequences refused (HTTP 507) because their pages "
                                    "could not be mapped within the limit"),
             "failed": KVStat("gauge", float(self.failure is not None), "1 once the vAttention cache is broken for "
