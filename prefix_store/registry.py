@@ -326,8 +326,9 @@ class PrefixRegistry:
         """The record `name` means to this caller: the local view first, then the store (PrefixNotFound,
         StoreUnavailable)."""
         keys = self._keys(name, owner, tenant)
+        now = time.time()
         for key in keys:
-            if key in self.local:
+            if key in self.local and not self.local[key].record.expired(now):
                 return self.local[key].record
         for key in keys:
             record = await self.store.get(self.fingerprint, key)
@@ -398,7 +399,9 @@ class PrefixRegistry:
         """The named prefix as a request of tenant `owner` uses it (its own, else the published one);
         PrefixNotFound if it is not pinned here. Names resolve in this replica's local view, never in the
         store: the store is not on the per-request path."""
-        entry = next((self.local[k] for k in self._keys(name, owner) if k in self.local), None)
+        now = time.time()     # a lease that ended is gone for requests at once, before the sweep unpins it
+        entry = next((self.local[k] for k in self._keys(name, owner)
+                      if k in self.local and not self.local[k].record.expired(now)), None)
         if entry is None:
             raise PrefixNotFound(f"prefix {name!r} is not registered", param="prefix")
         record = entry.record
