@@ -235,3 +235,45 @@ def test_degenerate_sampling_and_cross_site_posts(srv: ServerProcess) -> None:
                     assert r.status == 415
         assert http("GET", f"{srv.url}/v1/prefixes/xsite")[0] == 404
     attack(srv, lambda: asyncio.run(run()))
+
+
+def _sse_events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_grammars_with_no_finite_instance(srv: ServerProcess) -> None:
+    """Issue 24, item 10: a schema with no instance at all (`{"$ref": "#"}`) is a 400 naming its field, streamed
+    or not; one that runs into a rule that can never finish is a 400 (an error event once streaming); a choice
+    that ends before `min_tokens` ends with finish_reason "stop" (the grammar's end wins over min_tokens).
+    Each of these used to be a 500."""
+    msg = [{"role": "user", "content": "hi"}]
+    looped = {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}
+
+    def run() -> None:
+        for path, body, param in [("/v1/chat/completions", {"messages": msg, "response_format": looped}, "response_format"),
+                                  ("/v1/completions", {"prompt": "x", "guided_json": {"$ref": "#"}}, "guided_json"),
+                                  ("/v1/completions", {"prompt": "x", "guided_json": {"anyOf": [{"$ref": "#"}]}},
+                                   "guided_json")]:
+            for stream in (False, True):
+                r = requests.post(srv.url + path, json={**body, "max_tokens": 8, "stream": stream}, timeout=60)
+                assert r.status_code == 400, (path, stream, r.status_code, r.text[:300])
+                err = r.json()["error"]
+                assert err["param"] == param and "no output" in err["message"], err
+        dead_end = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+                    "$defs": {"x": {"$ref": "#/$defs/x"}}}            # `{"a": ` and then nothing can follow
+        body = {"prompt": "x", "guided_json": dead_end, "max_tokens": 30}
+        status, out = http("POST", f"{srv.url}/v1/completions", body)
+        assert status == 400 and "admits no continuation" in out["error"]["message"], out
+        r = requests.post(f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60)
+        assert r.status_code == 200 and "admits no continuation" in r.text, r.text[-300:]    # after the headers
+        assert r.text.rstrip().endswith("data: [DONE]")
+        body = {"prompt": "mood:", "guided_choice": ["yes", "no"], "min_tokens": 20, "max_tokens": 30}
+        status, out = http("POST", f"{srv.url}/v1/completions", body)
+        assert status == 200, out
+        assert out["choices"][0]["text"] in ("yes", "no") and out["choices"][0]["finish_reason"] == "stop", out
+        r = requests.post(f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60)
+        events = _sse_events(r.text)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+        assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) in ("yes", "no")
+        assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == "stop"
+    attack(srv, run)
