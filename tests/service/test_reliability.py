@@ -20,6 +20,7 @@ from tests.helpers.redis_server import RedisServer
 from tests.helpers.server import ServerProcess, http
 
 SYSTEM = "You are the reliability suite's system prompt; answer in one short line about caches. " * 3
+GRAMMAR_TIMEOUT_S = 3
 ALLOWED_5XX = {"503", "507"}      # store down / draining; pin cap or registry full: the API's contract
 
 
@@ -32,7 +33,8 @@ def redis() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def srv(tiny_llama_dir: Path, redis: RedisServer) -> Iterator[ServerProcess]:
     args = ["--model", str(tiny_llama_dir), "--max-model-len", "256", "--num-kv-blocks", "96", "--block-size", "8",
-            "--redis-url", redis.url, "--keepalive-timeout", "1", "--body-timeout", "1", "--max-num-seqs", "32"]
+            "--redis-url", redis.url, "--keepalive-timeout", "1", "--body-timeout", "1", "--max-num-seqs", "32",
+            "--grammar-compile-timeout", str(GRAMMAR_TIMEOUT_S), "--grammar-cache-size", "4"]
     with ServerProcess(args).start() as s:
         yield s
 
@@ -250,7 +252,8 @@ def test_grammars_with_no_finite_instance(srv: ServerProcess) -> None:
     looped = {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}
 
     def run() -> None:
-        for path, body, param in [("/v1/chat/completions", {"messages": msg, "response_format": looped}, "response_format"),
+        chat = {"messages": msg, "response_format": looped}
+        for path, body, param in [("/v1/chat/completions", chat, "response_format"),
                                   ("/v1/completions", {"prompt": "x", "guided_json": {"$ref": "#"}}, "guided_json"),
                                   ("/v1/completions", {"prompt": "x", "guided_json": {"anyOf": [{"$ref": "#"}]}},
                                    "guided_json")]:
@@ -277,3 +280,83 @@ def test_grammars_with_no_finite_instance(srv: ServerProcess) -> None:
         assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) in ("yes", "no")
         assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == "stop"
     attack(srv, run)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _compiles_running(srv: ServerProcess) -> int:
+    """Grammar compiles in flight: the children of the server's compile helper (engine/sample/grammar_probe.py)."""
+    helpers = [c for c in _children(srv.proc.pid)
+               if b"grammar_probe" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return sum(len(_children(h)) for h in helpers)
+
+
+async def _compiles_end(srv: ServerProcess, within: float = 1.5) -> None:
+    deadline = time.monotonic() + within
+    while _compiles_running(srv) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert _compiles_running(srv) == 0
+
+
+def _strings_schema(n: int, max_length: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": max_length + 7 * i}
+                                            for i in range(n)},
+            "required": [f"p{i}" for i in range(n)], "additionalProperties": False}
+
+
+def test_a_grammar_that_compiles_for_a_minute(srv: ServerProcess) -> None:
+    """Issue 24, item 2: a 9 KB schema (200 strings with large maxLength; about a minute to compile on this
+    test model's 384-token vocabulary, more on a real one) is refused with a 400 naming the limit once
+    --grammar-compile-timeout passed; meanwhile another client's plain completion and cheap grammar finish at
+    once; and a client that leaves while its grammar compiles has its compile killed, freeing the compiler."""
+    slow = {"type": "json_schema", "json_schema": {"name": "slow", "schema": _strings_schema(200, 10000)}}
+    msg = [{"role": "user", "content": "hi"}]
+
+    async def run() -> None:
+        async with _session() as s:
+            async def post(path: str, body: dict) -> tuple[int, dict, float]:
+                t = time.monotonic()
+                async with s.post(srv.url + path, json=body) as r:
+                    return r.status, await r.json(), time.monotonic() - t
+
+            def cheap(i: int) -> dict:
+                return {"prompt": "mood:", "max_tokens": 4, "guided_choice": [f"yes{i}", f"no{i}"]}
+
+            assert (await post("/v1/completions", cheap(0)))[0] == 200       # the compile helper is up
+            slow_task = asyncio.create_task(post("/v1/chat/completions", {"messages": msg, "max_tokens": 8,
+                                                                          "response_format": slow}))
+            await asyncio.sleep(0.5)
+            assert _compiles_running(srv) == 1
+            status, _, took = await post("/v1/completions", {"prompt": "a neighbour", "max_tokens": 2})
+            assert status == 200 and took < 5, took
+            status, _, took = await post("/v1/completions", cheap(1))
+            assert status == 200 and took < 5, took
+            status, body, took = await slow_task
+            assert status == 400 and "--grammar-compile-timeout" in body["error"]["message"], body
+            assert body["error"]["param"] == "response_format" and took < GRAMMAR_TIMEOUT_S + 10, took
+            await _compiles_end(srv)                                       # killed, not left compiling
+
+            leaving = [asyncio.create_task(post("/v1/chat/completions", {"messages": msg, "max_tokens": 8,
+                                                                         "response_format": {**slow, "json_schema": {
+                                                                             "name": "x", "schema": _strings_schema(
+                                                                                 200, 20000 + i)}}}))
+                       for i in range(2)]                                  # as many as the compile workers
+            await asyncio.sleep(0.5)
+            assert _compiles_running(srv) == 2
+            for task in leaving:
+                task.cancel()                                              # the clients go away
+            await asyncio.gather(*leaving, return_exceptions=True)
+            await _compiles_end(srv)
+            status, _, took = await post("/v1/completions", cheap(2))        # the compiler is free at once
+            assert status == 200 and took < GRAMMAR_TIMEOUT_S - 1, took
+    attack(srv, lambda: asyncio.run(run()))

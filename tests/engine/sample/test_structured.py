@@ -85,7 +85,8 @@ def test_specs_that_do_not_compile_are_refused_at_add(llm: LLM, spec: Structured
 
 def _strings_schema(n: int, max_length: int = 40) -> dict:
     """n required string properties, each with its own maxLength (each a rule of its own to compile)."""
-    return {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": max_length + i} for i in range(n)},
+    return {"type": "object",
+            "properties": {f"p{i}": {"type": "string", "maxLength": max_length + i} for i in range(n)},
             "required": [f"p{i}" for i in range(n)], "additionalProperties": False}
 
 
