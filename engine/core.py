@@ -62,6 +62,8 @@ class EngineStats:
     kv_backend_stats: dict[str, KVStat] = field(default_factory=dict)
     kv_events_published: int | None = None       # KV event batches published, records dropped (None: events off)
     kv_events_dropped: int | None = None
+    grammars_cached: int = 0                      # compiled grammars kept for reuse, and their bytes
+    grammar_cache_bytes: int = 0
 
 
 @dataclass
@@ -497,8 +499,11 @@ class EngineCore:
         p = self.pool.stats()
         s = self.scheduler
         events = self.kv_events
+        grammars = self._grammars           # None until the first structured request
         return EngineStats(p.total, p.used, p.pinned, p.cached, p.free, len(s.running), len(s.waiting),
                            s.num_preemptions, s.prefix_queried_tokens, s.prefix_hit_tokens, self.config.kv_backend,
                            self.kv_cache.stats(self.manager.num_blocks),
                            events.published_batches if events is not None else None,
-                           events.queue.dropped if events is not None else None)
+                           events.queue.dropped if events is not None else None,
+                           len(grammars.cache) if grammars is not None else 0,
+                           grammars.cache.num_bytes if grammars is not None else 0)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
+import jsonschema
 import pytest
 import redis as redis_py
 import requests
@@ -360,3 +361,32 @@ def test_a_grammar_that_compiles_for_a_minute(srv: ServerProcess) -> None:
             status, _, took = await post("/v1/completions", cheap(2))        # the compiler is free at once
             assert status == 200 and took < GRAMMAR_TIMEOUT_S - 1, took
     attack(srv, lambda: asyncio.run(run()))
+
+
+def test_many_distinct_schemas_keep_the_grammar_cache_bounded(srv: ServerProcess) -> None:
+    """Issue 24, item 3: eight distinct schemas through a server that keeps four compiled grammars: it keeps four
+    (count and bytes, as /metrics reports them), and the first schemas, evicted, compile again and still
+    constrain the output."""
+    schemas = [_strings_schema(3, 30 + i) for i in range(8)]
+
+    def one(schema: dict) -> None:
+        status, out = http("POST", f"{srv.url}/v1/completions", {"prompt": "x", "max_tokens": 40, "temperature": 0,
+                                                                 "guided_json": schema})
+        assert status == 200, out
+        if out["choices"][0]["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(out["choices"][0]["text"]), schema)
+        else:
+            assert out["choices"][0]["text"].startswith('{"p0": "'), out
+
+    def run() -> None:
+        sizes = []
+        for schema in schemas:
+            one(schema)
+            sizes.append(srv.metric("prefixserve_grammar_cache_bytes"))
+            assert srv.metric("prefixserve_grammar_cache_entries") <= 4
+        assert srv.metric("prefixserve_grammar_cache_entries") == 4
+        assert max(sizes) <= 4 * sizes[0] * 1.5 and sizes[-1] > 0, sizes      # four grammars' worth, never eight
+        for schema in schemas[:2]:                                 # evicted long ago: compiled again, and honoured
+            one(schema)
+        assert srv.metric("prefixserve_grammar_cache_entries") == 4
+    attack(srv, run)
