@@ -4,21 +4,24 @@ the router's render all take the same stages, in this order, each stage in one m
     stage       where                                    refuses with              runs on
     ready       ServiceState.ready (service/state.py)    503 warming/draining/dead event loop
     read        read_body (here)                         408 slow body, 413        event loop
-    parse       params.parse (schema.py's models)        400 naming the field      tokenizer thread
+    parse       params.parse (schema.py's models)        400 naming the field      tokenizer thread (*)
     prefix      PrefixRegistry.snapshot (prefix_store)   404 unknown prefix        event loop
     limits      check_choices (here)                     400 too many choices      event loop
-    tokenize    render.tokenize (chat template, prefix)  400                       tokenizer thread
+    tokenize    check_prompt_chars (here), then          400 too much text,        tokenizer thread (*)
+                render.tokenize (chat template, prefix)  400
     submit      Generation.begin (AsyncEngine.add)       400 (a grammar that does  event loop (grammars
-                                                         not compile), 429, 503    compile on the engine's
-                                                                                   grammar thread)
+                                                         not compile in time),     compile on the engine's
+                                                         429, 503                  grammar threads)
     answer      the surface's Shaper: sse.stream, or     (errors after the headers: an SSE error event)
                 Generation.collect
+
+(*) a body of --large-body-bytes or more: the large bodies' tokenizer thread (service/tokenizer_threads.py).
 
 A surface hands the pipeline only its shaping (a Shaper: the id/object head, the chunks of one delta,
 the body of a whole answer), made once the request is submitted: on its way to the engine a request
 enters each module once. The WebSocket and the render endpoints take `prepare` (and `submit`) and answer
 in their own shape. A body that takes seconds to parse, render or tokenize (hundreds of prompts,
-a long conversation) would stall every stream and /health on the loop, so those stages run on the one
+a long conversation) would stall every stream and /health on the loop, so those stages run on a
 tokenizer thread; the registry belongs to the loop, so the prefix is looked up there, between the two,
 and handed over as an immutable snapshot.
 """
@@ -88,14 +91,37 @@ class Shaper(Protocol):
 
 
 async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool) -> Prepared:
-    """parse -> prefix -> limits -> tokenize (the module docstring's stages)."""
-    max_choices = ready.config.max_choices
-    parsed = await off_loop(ready.executor, lambda: params.parse(raw, chat, ready.model_name, max_choices,
-                                                                 ready.config.strict_fields))
-    prefix = _snapshot(ready, parsed.req.prefix)
-    check_choices(parsed.num_prompts, parsed.req.params, max_choices)
+    """parse -> prefix -> limits -> tokenize (the module docstring's stages). A body of --large-body-bytes or
+    more takes the large bodies' tokenizer thread (service/tokenizer_threads.py); an object (a WebSocket
+    message, a Responses conversation) the tokenizer thread."""
+    config, run = ready.config, ready.tokenizers.run
+    size = len(raw) if isinstance(raw, bytes) else 0
     tokenizer = ready.engine.tokenizer
-    return Prepared(parsed, await off_loop(ready.executor, lambda: render.tokenize(parsed, tokenizer, prefix)), ready)
+    parsed = await run(size, tokenizer, lambda _: params.parse(raw, chat, ready.model_name, config.max_choices,
+                                                               config.strict_fields))
+    prefix = _snapshot(ready, parsed.req.prefix)
+    check_choices(parsed.num_prompts, parsed.req.params, config.max_choices)
+
+    def tokenize(tok: Any) -> list[list[int]]:
+        check_prompt_chars(*_prompt_texts(parsed), config.max_prompt_chars)
+        return render.tokenize(parsed, tok, prefix)
+    return Prepared(parsed, await run(size, tokenizer, tokenize), ready)
+
+
+def _prompt_texts(parsed: Parsed) -> tuple[list[str], str]:
+    body = parsed.body
+    if isinstance(body, CompletionRequest):
+        prompt = body.prompt
+        return ([prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]), "prompt"
+    return [m.text() for m in body.messages], "messages"
+
+
+def check_prompt_chars(texts: list[str], param: str, limit: int) -> None:
+    """Before any tokenizing: the text a request would have tokenized, at most `limit` characters in all."""
+    chars = sum(len(t) for t in texts)
+    if chars > limit:
+        raise invalid(f"the {param} hold {chars} characters of text; this server tokenizes at most {limit} per "
+                      "request (--max-prompt-chars)", param)
 
 
 def ignored_fields(names: list[str]) -> dict[str, str]:

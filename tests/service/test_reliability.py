@@ -390,3 +390,39 @@ def test_many_distinct_schemas_keep_the_grammar_cache_bounded(srv: ServerProcess
             one(schema)
         assert srv.metric("prefixserve_grammar_cache_entries") == 4
     attack(srv, run)
+
+
+def test_large_tokenize_bodies_do_not_hold_up_a_small_request(srv: ServerProcess) -> None:
+    """Issue 24, item 14: six ~1 MB /tokenize bodies in flight (a second or more of tokenizing each here) and
+    another client's 2-token completion still finishes at once: large bodies are parsed and tokenized on a
+    thread of their own. Text over --max-prompt-chars is refused with a 400 before any tokenizing."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 .,"
+    text = "".join(alphabet[(i * 7919) % len(alphabet)] for i in range(1_000_000))     # little for BPE to merge
+    big = json.dumps({"prompt": text}).encode()
+    limit = 2**20                                                                        # the default
+
+    async def run() -> None:
+        async with _session() as s:
+            async def tokenize() -> int:
+                async with s.post(f"{srv.url}/tokenize", data=big, headers={"Content-Type": "application/json"}) as r:
+                    return r.status if r.status != 200 else len((await r.json())["tokens"]) and 200
+
+            tasks = [asyncio.create_task(tokenize()) for _ in range(6)]
+            await asyncio.sleep(0.5)                               # the bodies are in, the tokenizing has begun
+            t = time.monotonic()
+            async with s.post(f"{srv.url}/v1/completions", json={"prompt": "a neighbour", "max_tokens": 2}) as r:
+                status = r.status
+            took = time.monotonic() - t
+            assert status == 200 and took < 5, took
+            assert await asyncio.gather(*tasks) == [200] * 6
+
+            over = "y" * (limit + 1)
+            halves = [{"role": "user", "content": over[:limit // 2]}] * 2 + [{"role": "user", "content": "!"}]
+            for path, body, param in [("/tokenize", {"prompt": over}, "prompt"),
+                                      ("/tokenize", {"messages": [{"role": "user", "content": over}]}, "messages"),
+                                      ("/v1/completions", {"prompt": ["hi", over], "max_tokens": 1}, "prompt"),
+                                      ("/v1/chat/completions", {"messages": halves, "max_tokens": 1}, "messages")]:
+                async with s.post(srv.url + path, json=body) as r:
+                    err = (await r.json())["error"]
+                    assert r.status == 400 and err["param"] == param and "--max-prompt-chars" in err["message"], err
+    attack(srv, lambda: asyncio.run(run()))
