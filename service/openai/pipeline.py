@@ -90,12 +90,12 @@ class Shaper(Protocol):
     def body(self, gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]: ...  # all choices -> JSON
 
 
-async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool) -> Prepared:
+async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, size: int | None = None) -> Prepared:
     """parse -> prefix -> limits -> tokenize (the module docstring's stages). A body of --large-body-bytes or
     more takes the large bodies' tokenizer thread (service/tokenizer_threads.py); an object (a WebSocket
-    message, a Responses conversation) the tokenizer thread."""
+    message, a Responses conversation) goes by `size`, the bytes it came from (unknown: the tokenizer thread)."""
     config, run = ready.config, ready.tokenizers.run
-    size = len(raw) if isinstance(raw, bytes) else 0
+    size = len(raw) if isinstance(raw, bytes) else (size or 0)
     tokenizer = ready.engine.tokenizer
     parsed = await run(size, tokenizer, lambda _: params.parse(raw, chat, ready.model_name, config.max_choices,
                                                                config.strict_fields))
