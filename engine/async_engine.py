@@ -44,6 +44,7 @@ from engine.core import EngineStats
 from engine.errors import EngineDead, EngineError, InvalidRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import PinnedPrefix, RequestOutput
+from engine.sample.grammar_probe import CompileCancelled
 from engine.sequence import EngineRequest, SamplingParams
 
 GATHER_S = 0.05     # the longest a step from idle waits for requests already arriving (`AsyncEngine.arriving`)
@@ -276,6 +277,8 @@ class AsyncEngine:
             self._send(("add", dataclasses.replace(request, grammar=fut.result())))
             return
         self._streams.pop(rid, None)
+        if isinstance(exc, CompileCancelled):       # `abort(rid)` called while it compiled
+            exc = EngineError("the request was aborted while its grammar compiled")
         stream._fail(rid, exc if isinstance(exc, EngineError) else
                      EngineError(f"structured output: the grammar failed to compile: {exc}"))
 

@@ -64,7 +64,7 @@ class GrammarProbe:
         self._lock = threading.Lock()           # the connection, its process and the waiting slots
         self._conn: Connection | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._waiting: dict[int, _Slot] = {}
+        self._waiting: dict[int, tuple[_Slot, Connection]] = {}     # probe id -> its slot, the zygote it is on
         self._ids = itertools.count()
         self._closed = False
 
@@ -81,8 +81,14 @@ class GrammarProbe:
             if self._closed:
                 raise CompileCancelled("the grammar compiler is closed")
             pid = next(self._ids)
-            self._waiting[pid] = slot
-            self._connection().send(("probe", pid, kind, value))
+            try:
+                conn = self._connection()
+                conn.send(("probe", pid, kind, value))
+            except OSError:                     # the zygote died and its reader has not noticed yet
+                self._conn = self._proc = None
+                conn = self._connection()
+                conn.send(("probe", pid, kind, value))
+            self._waiting[pid] = (slot, conn)
         deadline = time.monotonic() + START_TIMEOUT_S
         started = False
         while not slot.done.wait(POLL_S):
@@ -96,7 +102,9 @@ class GrammarProbe:
         kind_, message = slot.outcome
         if kind_ == "done":
             return message
-        return f"the grammar compiler failed ({kind_}): {message}"
+        if kind_ == "killed":               # not by us (we stopped waiting first): it crashed on this grammar
+            return "the compiler's process crashed on it"
+        return str(message)                 # lost: the zygote died (the next probe starts another)
 
     def close(self) -> None:
         with self._lock:
@@ -139,11 +147,12 @@ class GrammarProbe:
             while True:
                 msg = conn.recv()
                 with self._lock:
-                    slot = self._waiting.get(msg[1])
+                    entry = self._waiting.get(msg[1])
                     if msg[0] != "started":
                         self._waiting.pop(msg[1], None)
-                if slot is None:
+                if entry is None:
                     continue
+                slot = entry[0]
                 if msg[0] == "started":
                     slot.started.set()
                     continue
@@ -154,9 +163,9 @@ class GrammarProbe:
         with self._lock:            # the zygote is gone: its probes fail, the next probe starts a new zygote
             if self._conn is conn:
                 self._conn = self._proc = None
-            lost = list(self._waiting.values())
-            self._waiting.clear()
-        for slot in lost:
+            lost = [pid for pid, (_, on) in self._waiting.items() if on is conn]
+            slots = [self._waiting.pop(pid)[0] for pid in lost]
+        for slot in slots:
             slot.done.set()
         _reap(proc)
 

@@ -4,7 +4,11 @@ exactly the tokens they get alone; a spec that does not compile is refused."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import threading
+import time
 from pathlib import Path
 
 import jsonschema
@@ -12,7 +16,8 @@ import pytest
 
 from engine import LLM, InvalidRequest, SamplingParams
 from engine.sample.grammar_cache import GrammarCache
-from engine.sample.structured import StructuredSpec
+from engine.sample.grammar_probe import CompileCancelled
+from engine.sample.structured import Grammars, StructuredSpec
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"},
@@ -128,3 +133,56 @@ def test_compiled_grammars_are_bounded_and_evicted_ones_recompile(llm: LLM, monk
         assert out.outputs[0].finish_reason == "stop", out
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
     assert len(g.cache) == 2
+
+
+def _compile_children(g: Grammars) -> int:
+    """Compiles in flight: the children of the grammar compile helper (engine/sample/grammar_probe.py)."""
+    proc = g._probe._proc
+    if proc is None:
+        return 0
+    return len(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+
+
+def _children_end(g: Grammars, within: float = 1.5) -> None:
+    deadline = time.monotonic() + within
+    while _compile_children(g) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _compile_children(g) == 0
+
+
+def test_a_slow_compile_is_killed_at_the_timeout_or_when_cancelled(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24, item 2: a grammar that would compile for a minute is refused once the timeout passed, naming
+    the limit, and one whose client left is given up at once; neither leaves a compile running."""
+    g = llm.engine.core.grammars
+    g.compile(StructuredSpec("regex", "warm"))                           # the helper process is up
+    monkeypatch.setattr(g, "compile_timeout", 0.5)
+    slow = StructuredSpec("json_schema", json.dumps(_strings_schema(200, 10000)), "guided_json")
+    t = time.monotonic()
+    with pytest.raises(InvalidRequest) as exc:
+        g.compile(slow)
+    assert "within 0.5 s" in exc.value.message and "--grammar-compile-timeout" in exc.value.message
+    assert exc.value.param == "guided_json" and time.monotonic() - t < 5
+    _children_end(g)
+    cancelled = threading.Event()
+    threading.Timer(0.3, cancelled.set).start()
+    monkeypatch.setattr(g, "compile_timeout", 60.0)
+    t = time.monotonic()
+    with pytest.raises(CompileCancelled):
+        g.compile(StructuredSpec("json_schema", json.dumps(_strings_schema(201, 10000))), cancelled)
+    assert time.monotonic() - t < 3
+    _children_end(g)
+    assert len(g.cache) >= 1 and slow not in g.cache.keys()
+
+
+def test_the_compile_helper_dies_and_a_new_one_takes_over(llm: LLM) -> None:
+    """The helper process killed (by anything): the compile in flight fails as a refusal, the next one starts
+    a new helper and compiles."""
+    g = llm.engine.core.grammars
+    g.compile(StructuredSpec("regex", "warm"))
+    proc = g._probe._proc
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    compiled = g.compile(StructuredSpec("regex", "[xy]{2}"))
+    assert g.matcher(compiled).accept_string("xy")
+    assert g._probe._proc is not None and g._probe._proc.pid != proc.pid
