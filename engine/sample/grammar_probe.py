@@ -111,8 +111,16 @@ class GrammarProbe:
             self._closed = True
             conn, proc = self._conn, self._proc
             self._conn = self._proc = None
-        if conn is not None:
-            conn.close()            # the zygote reads EOF, kills its children and exits
+        if conn is not None:        # the zygote reads EOF, kills its children and exits
+            # NOTE: shut down, not only closed: a close does not end the reader thread's recv in progress,
+            # and while that holds the socket the zygote never sees EOF
+            sock = socket.socket(fileno=conn.fileno())
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.detach()
+            conn.close()
         if proc is not None:
             _reap(proc)
 
