@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -44,6 +45,7 @@ from engine.errors import EngineDead, EngineError, InvalidRequest
 from engine.kv.block_pool import CacheSalt
 from engine.llm_engine import LLMEngine
 from engine.outputs import PinnedPrefix, RequestOutput
+from engine.sample.grammar_probe import CompileCancelled
 from engine.sequence import EngineRequest, SamplingParams
 
 GATHER_S = 0.05     # the longest a step from idle waits for requests already arriving (`AsyncEngine.arriving`)
@@ -175,8 +177,11 @@ class AsyncEngine:
         self._pin_futures: dict[str, asyncio.Future[PinnedPrefix]] = {}      # loop side
         self._pins_waiting: set[str] = set()                                 # engine-thread side
         self._pin_ids = itertools.count()
-        # structured output's grammars compile here (seconds for a large schema), off the loop and the engine
-        self._grammar_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        # structured output's grammars compile here, off the loop and the engine thread, a few at once, each
+        # within grammar_compile_timeout (engine/sample/grammar_probe.py); a client that leaves stops its own
+        self._grammar_executor = ThreadPoolExecutor(max_workers=config.grammar_compile_workers,
+                                                    thread_name_prefix="grammar")
+        self._compiling: dict[str, threading.Event] = {}    # request id -> its cancel flag (set: any thread)
         self._wakeup: asyncio.Event | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
@@ -231,9 +236,10 @@ class AsyncEngine:
         self._streams[rid] = stream
         if params.structured is None:
             self._send(("add", request))
-        else:   # its grammar compiles first, on the grammar thread: neither the loop nor the engine waits
+        else:   # its grammar compiles first, on a grammar thread: neither the loop nor the engine waits
             loop = asyncio.get_running_loop()
-            fut = self._grammar_executor.submit(self._core.grammars.compile, params.structured)
+            cancelled = self._compiling[rid] = threading.Event()
+            fut = self._grammar_executor.submit(self._core.grammars.compile, params.structured, cancelled)
             fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._compiled, request, stream, f))
         return stream
 
@@ -268,13 +274,16 @@ class AsyncEngine:
         """On the loop, once a request's grammar compiled: admit it, or refuse it through its stream. A
         request aborted meanwhile (its stream no longer holds it) is dropped."""
         rid = request.request_id
+        self._compiling.pop(rid, None)
         if self._streams.get(rid) is not stream or rid not in stream._open:
             return
         exc = fut.exception()
         if exc is None:
-            self._send(("add", request))
+            self._send(("add", dataclasses.replace(request, grammar=fut.result())))
             return
         self._streams.pop(rid, None)
+        if isinstance(exc, CompileCancelled):       # `abort(rid)` called while it compiled
+            exc = EngineError("the request was aborted while its grammar compiled")
         stream._fail(rid, exc if isinstance(exc, EngineError) else
                      EngineError(f"structured output: the grammar failed to compile: {exc}"))
 
@@ -290,7 +299,11 @@ class AsyncEngine:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
-        """Idempotent; the request's blocks are freed at the start of the next step. Any thread."""
+        """Idempotent; the request's blocks are freed at the start of the next step, its grammar's compile
+        (when it is still compiling) is stopped. Any thread."""
+        cancelled = self._compiling.get(request_id)
+        if cancelled is not None:
+            cancelled.set()
         self._send(("abort", request_id))
 
     def _forget(self, request_ids: set[str]) -> None:

@@ -66,6 +66,14 @@ class EngineConfig:
                                            "process may use, affinity and cgroup quota; offline LLM(): torch's)")
     chat_template: str | None = knob(None, "a Jinja chat template (a file, or the template itself) replacing "
                                            "the checkpoint's")
+    grammar_compile_timeout: float = knob(10.0, "seconds a structured-output grammar (json_schema, regex, choice) may "
+                                                "take to compile; a slower one is refused (HTTP 400) and its compile "
+                                                "killed, as is the compile of a client that went away")
+    grammar_compile_workers: int = knob(2, "structured-output grammars compiled at once (each in a child process of "
+                                           "its own, then in this one); the rest wait their turn")
+    grammar_cache_size: int = knob(64, "compiled grammars kept for reuse (least recently used dropped first)")
+    grammar_cache_mb: float = knob(256.0, "MiB of compiled grammars kept for reuse (least recently used dropped "
+                                          "first; a larger grammar serves its request and is not kept)")
     kv_events_config: str | None = knob(None, "vLLM's KV-events JSON, e.g. '{\"enable_kv_cache_events\": true, "
                                               "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\"}': "
                                               "block stored / removed events over ZMQ (engine/kv/events.py). They "
@@ -100,6 +108,10 @@ class EngineConfig:
              f"kv_backend must be one of {kv_backends.names()}, got {self.kv_backend!r}"),
             (self.map_ahead_tokens >= 0, "map_ahead_tokens must be >= 0"),
             (self.kv_max_mappings >= 16, "kv_max_mappings must be >= 16"),
+            (self.grammar_compile_timeout > 0, "grammar_compile_timeout must be > 0"),
+            (self.grammar_compile_workers >= 1, "grammar_compile_workers must be >= 1"),
+            (self.grammar_cache_size >= 1, "grammar_cache_size must be >= 1"),
+            (self.grammar_cache_mb > 0, "grammar_cache_mb must be > 0"),
             (not self.compile_decode or self.device == "cpu",
              "compile_decode runs on the CPU only for now (CUDA graphs are not built yet)"),
             (self.chat_template is None or "{{" in self.chat_template or "{%" in self.chat_template

@@ -62,6 +62,8 @@ class EngineStats:
     kv_backend_stats: dict[str, KVStat] = field(default_factory=dict)
     kv_events_published: int | None = None       # KV event batches published, records dropped (None: events off)
     kv_events_dropped: int | None = None
+    grammars_cached: int = 0                      # compiled grammars kept for reuse, and their bytes
+    grammar_cache_bytes: int = 0
 
 
 @dataclass
@@ -148,11 +150,15 @@ class EngineCore:
 
     @property
     def grammars(self) -> Grammars:
-        """Compiled grammars for structured output (made on first use: 1-2 s). Thread-safe: the service
-        compiles a request's grammar on its own thread, the engine thread only hits the cache."""
+        """Compiled grammars for structured output (made on first use: 1-2 s). Thread-safe: the async engine
+        compiles a request's grammar on a grammar thread and hands it over with the request (`grammar`), so
+        the engine thread never compiles one; the offline engine compiles in `add`."""
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = Grammars(self.loaded.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+                c = self.config
+                self._grammars = Grammars(self.loaded.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                                          c.grammar_compile_timeout, c.grammar_cache_size,
+                                          int(c.grammar_cache_mb * 2**20))
             return self._grammars
 
     # -- requests -----------------------------------------------------------------------------
@@ -210,11 +216,13 @@ class EngineCore:
                 f"({self.pool.num_pinned} of {self.pool.num_blocks_total} are pinned)", param="max_tokens")
         if len(self.scheduler.waiting) >= self.config.max_num_waiting:
             raise QueueFull(f"the waiting queue is full ({self.config.max_num_waiting} requests); retry later")
-        if request.params.structured is not None:
-            self.grammars.compile(request.params.structured)    # InvalidRequest if it does not compile
+        grammar = request.grammar
+        if request.params.structured is not None and grammar is None:
+            grammar = self.grammars.compile(request.params.structured)    # InvalidRequest if it does not compile
         seq = self.new_seq(rid, prompt, request.params, request.max_tokens, 0)
         seq.block_hashes = hashes
         group = SequenceGroup(request, seq, RequestTimes(arrival=request.arrival))
+        group.grammar = grammar
         if request.params.use_beam_search:
             self.forks.start_beam_search(group, self.eos_token_ids)
         self.requests[rid] = group
@@ -363,6 +371,7 @@ class EngineCore:
         constrained = [j for j, t in enumerate(targets) if t.params.structured is not None]
         if constrained:
             self._constrain(logits, [targets[j] for j in constrained], constrained)
+            self._grammar_limits(logits, targets, contexts, constrained)
         try:
             res = self.sampler(logits, params, gens, contexts)
         except Exception:               # find the rows at fault: sample one at a time, fail only those
@@ -394,12 +403,36 @@ class EngineCore:
         """Masks the constrained rows of `logits` in place to what their grammars allow next."""
         for seq in seqs:
             if seq.guide is None:
-                assert seq.params.structured is not None
-                seq.guide = self.grammars.matcher(seq.params.structured)
+                assert seq.group is not None and seq.group.grammar is not None
+                seq.guide = self.grammars.matcher(seq.group.grammar)
         index = torch.tensor(rows, device=logits.device)
         sub = logits.index_select(0, index).float()
         self.grammars.apply(sub, [s.guide for s in seqs])
         logits.index_copy_(0, index, sub.to(logits.dtype))
+
+    def _grammar_limits(self, logits: torch.Tensor, targets: list[Sequence], contexts: list[RowContext] | None,
+                        rows: list[int]) -> None:
+        """After masking: a constrained row whose grammar allows no token at all (a dead end: a rule that can
+        never finish) ends its request with a 400-class error; one whose grammar allows nothing but its end
+        while min_tokens still bans the stop tokens ends there: the grammar's end wins over min_tokens (its
+        stop tokens are unmasked for that row), finish_reason "stop"."""
+        allowed = torch.isfinite(logits[rows])                                     # [R, V]
+        for k, j in enumerate(rows):
+            seq = targets[j]
+            if not bool(allowed[k].any()):
+                spec = seq.params.structured
+                assert spec is not None
+                self.abort(seq.request_id, InvalidRequest(
+                    f"the {spec.kind.replace('_', ' ')} constraint admits no continuation after "
+                    f"{len(seq.output_token_ids)} tokens (a rule of it can never finish)", param=spec.param))
+                continue
+            ctx = contexts[j] if contexts is not None else None
+            if ctx is None or not ctx.stop_ids or len(ctx.output_token_ids) >= seq.params.min_tokens:
+                continue
+            row = allowed[k].clone()
+            row[[t for t in ctx.stop_ids if 0 <= t < row.shape[0]]] = False
+            if not bool(row.any()):
+                contexts[j] = RowContext(ctx.output_token_ids, ctx.prompt_token_ids, frozenset())  # type: ignore[index]
 
     def _sample_rows(self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator],
                      contexts: list[RowContext] | None) -> SamplerOutput:
@@ -465,13 +498,19 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events.close()
         self.kv_cache.close()
+        with self._grammars_lock:
+            if self._grammars is not None:
+                self._grammars.close()
 
     def stats(self) -> EngineStats:
         p = self.pool.stats()
         s = self.scheduler
         events = self.kv_events
+        grammars = self._grammars           # None until the first structured request
         return EngineStats(p.total, p.used, p.pinned, p.cached, p.free, len(s.running), len(s.waiting),
                            s.num_preemptions, s.prefix_queried_tokens, s.prefix_hit_tokens, self.config.kv_backend,
                            self.kv_cache.stats(self.manager.num_blocks),
                            events.published_batches if events is not None else None,
-                           events.queue.dropped if events is not None else None)
+                           events.queue.dropped if events is not None else None,
+                           len(grammars.cache) if grammars is not None else 0,
+                           grammars.cache.num_bytes if grammars is not None else 0)

@@ -161,6 +161,7 @@ class EngineRequest:
     params: SamplingParams
     max_tokens: int                     # resolved: never None
     arrival: float                      # time.monotonic() when made
+    grammar: Any = None                 # structured output: its compiled grammar, once compiled (AsyncEngine)
 
 
 class Sequence:
@@ -242,6 +243,7 @@ class SequenceGroup:
         self.beam: BeamSearch | None = None   # set when params.use_beam_search
         self.ended = False                    # aborted or failed: finished whatever its sequences say
         self.error: EngineError | None = None  # why the engine ended it, when it did
+        self.grammar: Any = None              # structured output: the compiled grammar its sequences match
         self.times = times
         self.num_generated_tokens = 0         # tokens sampled for any of its sequences
         first.group = self

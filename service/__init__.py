@@ -2,6 +2,7 @@
 
     app.py        the application: middlewares, routes, the engine's lifetime (cleanup_ctx)
     state.py      ServiceState: the engine once loaded, the registry, the drain flag; `ready()` per request
+    tokenizer_threads.py  where bodies are parsed and tokenized: a small bodies' thread, a large ones' thread
     config.py     ServiceConfig (holding the EngineConfig); flags.py: flags and PREFIXSERVE_* from both
     errors.py     the OpenAI error shape and the one mapping of domain errors to HTTP
     logs.py       text or JSON log lines

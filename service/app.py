@@ -98,7 +98,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         await state.registry.close()
     if state.engine is not None:
         await state.engine.shutdown()
-    state.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
+    state.tokenizers.shutdown()
 
 
 async def _load(state: ServiceState) -> None:

@@ -42,6 +42,10 @@ class ServiceConfig:
     keepalive_interval: float = knob(5.0, "SSE comment after this many idle seconds")
     max_body_bytes: int = knob(4 * 2**20, "larger request bodies get 413")
     max_choices: int = knob(128, "most prompts x n (and x best_of) per request")
+    max_prompt_chars: int = knob(2**20, "most characters of text one request may have tokenized (its prompts, or "
+                                        "its messages' contents, together); more gets 400 before any tokenizing")
+    large_body_bytes: int = knob(64 * 1024, "request bodies this large or larger are parsed and tokenized on a "
+                                            "thread of their own, so that small requests never wait behind them")
     strict_fields: bool = knob(False, "refuse request fields this server does not know with a 400 (default: "
                                       "accept them, ignored, and name them in a warning and X-Ignored-Fields)")
     max_ws_generations: int = knob(64, "most concurrent generations per WebSocket")
@@ -91,6 +95,8 @@ class ServiceConfig:
             (self.body_timeout > 0, "body_timeout must be > 0"),
             (self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
             (self.max_choices >= 1, "max_choices must be >= 1"),
+            (self.max_prompt_chars >= 1, "max_prompt_chars must be >= 1"),
+            (self.large_body_bytes >= 1, "large_body_bytes must be >= 1"),
             (self.max_prefixes >= 1, "max_prefixes must be >= 1"),
             (self.max_ws_generations >= 1, "max_ws_generations must be >= 1"),
             (self.max_prefixes_per_tenant >= 1, "max_prefixes_per_tenant must be >= 1"),

@@ -11,15 +11,11 @@ from aiohttp import web
 from service.config import ServiceConfig
 from service.errors import ApiError
 from service.openai.logprobs import TokenText
+from service.tokenizer_threads import TokenizerThreads
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from prefix_store.registry import PrefixRegistry
-
-
-def tokenizer_executor() -> ThreadPoolExecutor:
-    """The one thread that parses, renders and tokenizes request bodies (never the event loop)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
 
 @dataclass(frozen=True)
@@ -30,8 +26,9 @@ class Ready:
     registry: PrefixRegistry | None       # None only between the engine's start and the first resync
     config: ServiceConfig
     model_name: str
-    executor: ThreadPoolExecutor          # the tokenizer thread
+    executor: ThreadPoolExecutor          # the tokenizer thread (the small bodies' lane of `tokenizers`)
     token_text: TokenText                 # token id -> text and bytes, for logprobs
+    tokenizers: TokenizerThreads          # both lanes: small bodies, large ones (service/tokenizer_threads.py)
 
 
 @dataclass
@@ -41,8 +38,16 @@ class ServiceState:
     load_error: str | None = None         # set when loading the model failed
     draining: bool = False                # SIGTERM received: finish running streams, take no new ones
     registry: PrefixRegistry | None = None  # set with the engine, once every registered prefix is warm
-    tokenizer_executor: ThreadPoolExecutor = field(default_factory=tokenizer_executor, repr=False)
+    tokenizers: TokenizerThreads = field(init=False, repr=False)
     _token_text: TokenText | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.tokenizers = TokenizerThreads(self.config.large_body_bytes)
+
+    @property
+    def tokenizer_executor(self) -> ThreadPoolExecutor:
+        """The tokenizer thread: small bodies' lane, with the engine's tokenizer."""
+        return self.tokenizers.small
 
     @property
     def model_name(self) -> str:
@@ -59,7 +64,8 @@ class ServiceState:
         engine = self.ready_engine()
         if self._token_text is None:
             self._token_text = TokenText(engine.tokenizer)
-        return Ready(engine, self.registry, self.config, self.model_name, self.tokenizer_executor, self._token_text)
+        return Ready(engine, self.registry, self.config, self.model_name, self.tokenizer_executor, self._token_text,
+                     self.tokenizers)
 
     def ready_engine(self) -> AsyncEngine:
         """The engine, or a 503 while warming, draining or dead."""

@@ -1,13 +1,16 @@
 """Structured output: constrained decoding with xgrammar.
 
 A request's `StructuredSpec` (JSON, a JSON schema, a regex, a choice, or an EBNF grammar) compiles once
-per distinct spec (`Grammars`, a thread-safe cache: the service compiles on its tokenizer thread, so a
-bad spec is a 400 before the request reaches the engine, and the engine thread only hits the cache).
-Each constrained sequence gets a matcher when it first samples; every step, the constrained rows of the
-batch get their allowed-token bitmask filled and applied to their logits (unconstrained rows are not
-touched), and the sampled token advances the matcher. EOS is allowed only where the grammar may end;
-a grammar that ended ends the sequence. Forks (n > 1) fork the matcher; preemption needs nothing (the
-matcher follows tokens, not KV).
+per distinct spec (`Grammars`): on a grammar thread of the async engine, first in a child process that is
+killed at `grammar_compile_timeout` or when the client leaves (grammar_probe.py), then here; a bad spec,
+one too slow to compile, or one that admits no output at all is a 400 before the request reaches the
+engine. Compiled grammars are kept in a bounded LRU cache (grammar_cache.py); the request carries its own
+grammar to the engine thread, which never compiles. Each constrained sequence gets a matcher when it first
+samples; every step, the constrained rows of the batch get their allowed-token bitmask filled and applied
+to their logits (unconstrained rows are not touched), and the sampled token advances the matcher. EOS is
+allowed only where the grammar may end; a grammar that ended ends the sequence, even before min_tokens. A
+grammar that reaches a rule that can never finish ends its request with a 400-class error. Forks (n > 1)
+fork the matcher; preemption needs nothing (the matcher follows tokens, not KV).
 
 Why xgrammar over llguidance, measured on this 2-core CPU with SmolLM2's 49,152-token vocabulary and a
 4-field JSON schema (36-token answer): mask 9 us per token median (llguidance 41 us), schema compile
@@ -25,6 +28,8 @@ from typing import Any, Literal
 import torch
 
 from engine.errors import InvalidRequest
+from engine.sample.grammar_cache import GrammarCache
+from engine.sample.grammar_probe import CompileCancelled, CompileTimedOut, GrammarProbe
 
 Kind = Literal["json", "json_schema", "regex", "choice", "grammar"]
 
@@ -43,56 +48,86 @@ class StructuredSpec:
         return cls("choice", json.dumps(options), param)
 
 
-class Grammars:
-    """Compiled grammars for one tokenizer, cached by spec. Thread-safe."""
+def compile_spec(compiler: Any, kind: str, value: str) -> Any:
+    """A spec's compiled grammar, by `compiler` (an xgrammar GrammarCompiler; here or in a probe's child)."""
+    import xgrammar as xgr
+    if kind == "json":
+        any_object = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        return compiler.compile_grammar(str(any_object))
+    if kind == "json_schema":
+        # NOTE: compact separators (a model does not wander into whitespace), and strings whose
+        # length the schema bounds kept free of raw control characters: xgrammar's length-bounded
+        # string rule admits U+0000-U+001F, which JSON forbids unescaped.
+        grammar = xgr.Grammar.from_json_schema(value, any_whitespace=False, strict_mode=True)
+        ebnf = str(grammar).replace('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\]')
+        return compiler.compile_grammar(ebnf)
+    if kind == "regex":
+        return compiler.compile_regex(value)
+    if kind == "choice":
+        options = json.loads(value)
+        rule = " | ".join(json.dumps(o) for o in options)
+        return compiler.compile_grammar(f"root ::= {rule}")
+    return compiler.compile_grammar(value)
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+
+class Grammars:
+    """Compiled grammars for one tokenizer: compiled within a time bound, cancellable, cached (bounded).
+    Thread-safe: the engine's grammar threads compile; the engine thread only builds matchers and masks."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], compile_timeout: float = 10.0,
+                 cache_size: int = 64, cache_bytes: int = 256 * 2**20) -> None:
         import xgrammar as xgr
         self._xgr = xgr
         self.vocab_size = vocab_size
+        self.compile_timeout = compile_timeout
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=stop_token_ids or None)
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
-        self._lock = threading.Lock()
-        self._cache: dict[StructuredSpec, Any] = {}
+        # NOTE: xgrammar's own cache is off (it would keep every grammar, unbounded): `cache` is the one cache.
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.cache = GrammarCache(cache_size, cache_bytes)
+        self._probe = GrammarProbe(self.info.serialize_json())
+        self._probe.start()
 
-    def compile(self, spec: StructuredSpec) -> Any:
-        """The compiled grammar; InvalidRequest naming the spec's field when it does not compile."""
-        with self._lock:
-            hit = self._cache.get(spec)
+    def compile(self, spec: StructuredSpec, cancelled: threading.Event | None = None) -> Any:
+        """The compiled grammar. Raises InvalidRequest naming the spec's field when it does not compile, does
+        not compile within `compile_timeout`, or admits no output at all; CompileCancelled once `cancelled`
+        is set (its client left) before it compiled."""
+        hit = self.cache.get(spec)
         if hit is not None:
             return hit
+        cancelled = cancelled or threading.Event()
+        what = f"the {spec.kind.replace('_', ' ')} constraint"
+        if cancelled.is_set():
+            raise CompileCancelled("the client went away")
+        if spec.kind != "json":             # one fixed grammar: nothing a client can make slow
+            try:
+                error = self._probe.check(spec.kind, spec.value, self.compile_timeout, cancelled)
+            except CompileTimedOut:
+                raise InvalidRequest(f"{what} did not compile within {self.compile_timeout:g} s (the server's "
+                                     "--grammar-compile-timeout); simplify it (fewer length-bounded strings, "
+                                     "smaller bounds)", param=spec.param) from None
+            if error is not None:
+                raise InvalidRequest(f"{what} does not compile: {error}", param=spec.param)
         try:
-            compiled = self._compile(spec)
+            compiled = compile_spec(self._compiler, spec.kind, spec.value)
         except Exception as exc:            # xgrammar raises RuntimeError / ValueError with its parse error
-            raise InvalidRequest(f"the {spec.kind.replace('_', ' ')} constraint does not compile: {exc}",
-                                 param=spec.param) from None
-        with self._lock:
-            self._cache[spec] = compiled
+            raise InvalidRequest(f"{what} does not compile: {exc}", param=spec.param) from None
+        if not self._first_mask(compiled).any():
+            raise InvalidRequest(f"{what} admits no output (no text matches it, e.g. a schema that only "
+                                 "refers to itself)", param=spec.param)
+        self.cache.put(spec, compiled, int(compiled.memory_size_bytes))
         return compiled
 
-    def _compile(self, spec: StructuredSpec) -> Any:
-        c = self._compiler
-        if spec.kind == "json":
-            any_object = self._xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
-            return c.compile_grammar(str(any_object))
-        if spec.kind == "json_schema":
-            # NOTE: compact separators (a model does not wander into whitespace), and strings whose
-            # length the schema bounds kept free of raw control characters: xgrammar's length-bounded
-            # string rule admits U+0000-U+001F, which JSON forbids unescaped.
-            grammar = self._xgr.Grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True)
-            ebnf = str(grammar).replace('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\]')
-            return c.compile_grammar(ebnf)
-        if spec.kind == "regex":
-            return c.compile_regex(spec.value)
-        if spec.kind == "choice":
-            options = json.loads(spec.value)
-            rule = " | ".join(json.dumps(o) for o in options)
-            return c.compile_grammar(f"root ::= {rule}")
-        return c.compile_grammar(spec.value)
+    def close(self) -> None:
+        self._probe.close()
 
-    def matcher(self, spec: StructuredSpec) -> Any:
-        return self._xgr.GrammarMatcher(self.compile(spec))
+    def _first_mask(self, compiled: Any) -> torch.Tensor:
+        mask = self.bitmask(1)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask, 0)
+        return mask
+
+    def matcher(self, compiled: Any) -> Any:
+        return self._xgr.GrammarMatcher(compiled)
 
     def bitmask(self, rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)

@@ -28,6 +28,7 @@ concept, so an existing vLLM dashboard reads them. Every `vllm:` series has the 
 | prefixserve_prefix_hit_requests_total{prefix}         | counter   | requests that hit the named prefix     |
 | prefixserve_prefix_tokens_saved_total{prefix}         | counter   | prompt tokens those hits saved         |
 | prefixserve_kv_events_{batches,dropped}_total         | counter   | KV events published / dropped (if on)  |
+| prefixserve_grammar_cache_{entries,bytes}             | gauge     | compiled grammars kept, their size     |
 | prefixserve_<kv backend>_<name>                        | either    | the KV backend's own figures (*3)      |
 
 (*3) Whatever `KVStore.stats` returns, exported as the backend declares it (gauge or counter, with its
@@ -135,6 +136,10 @@ class _StateCollector(Collector):
                                 "Gap between a request's decode steps (each request's mean gap)", model[0])
         for name, doc in _BLOCK_GAUGES.items():
             yield GaugeMetricFamily(f"prefixserve_{name}", doc, value=getattr(s, name))
+        yield GaugeMetricFamily("prefixserve_grammar_cache_entries", "Compiled grammars kept for reuse",
+                                value=s.grammars_cached)
+        yield GaugeMetricFamily("prefixserve_grammar_cache_bytes", "Bytes of the compiled grammars kept for reuse",
+                                value=s.grammar_cache_bytes)
         for key, stat in s.kv_backend_stats.items():      # whatever the KV backend reports, by its name
             family = GaugeMetricFamily if stat.kind == "gauge" else CounterMetricFamily
             yield family(f"prefixserve_{s.kv_backend}_{key}", stat.doc, value=stat.value)

@@ -4,17 +4,20 @@ the router's render all take the same stages, in this order, each stage in one m
     stage       where                                    refuses with              runs on
     ready       ServiceState.ready (service/state.py)    503 warming/draining/dead event loop
     read        read_body (here)                         408 slow body, 413        event loop
-    parse       params.parse (schema.py's models)        400 naming the field      tokenizer thread
+    parse       params.parse (schema.py's models)        400 naming the field      tokenizer thread (*)
     prefix      PrefixRegistry.snapshot (prefix_store)   404 unknown prefix        event loop
                 (the caller's own, else a published one)
     limits      check_choices (here)                     400 too many choices      event loop
-    tokenize    render.tokenize (chat template, prefix)  400                       tokenizer thread
+    tokenize    check_prompt_chars (here), then          400 too much text,        tokenizer thread (*)
+                render.tokenize (chat template, prefix)  400
     salt        tenants.cache_salt (the caller's tenant) -                         event loop
     submit      Generation.begin (AsyncEngine.add)       400 (a grammar that does  event loop (grammars
-                                                         not compile), 429, 503    compile on the engine's
-                                                                                   grammar thread)
+                                                         not compile in time),     compile on the engine's
+                                                         429, 503                  grammar threads)
     answer      the surface's Shaper: sse.stream, or     (errors after the headers: an SSE error event)
                 Generation.collect
+
+(*) a body of --large-body-bytes or more: the large bodies' tokenizer thread (service/tokenizer_threads.py).
 
 When a request with `prompt_cache_key` ends, its prompt's common prefix with the key's earlier prompts is
 leased (PrefixRegistry.lease_cache_key): a whole answer waits for the lease (so `max_tokens: 0` warms the
@@ -24,7 +27,7 @@ A surface hands the pipeline only its shaping (a Shaper: the id/object head, the
 the body of a whole answer), made once the request is submitted: on its way to the engine a request
 enters each module once. The WebSocket and the render endpoints take `prepare` (and `submit`) and answer
 in their own shape. A body that takes seconds to parse, render or tokenize (hundreds of prompts,
-a long conversation) would stall every stream and /health on the loop, so those stages run on the one
+a long conversation) would stall every stream and /health on the loop, so those stages run on a
 tokenizer thread; the registry belongs to the loop, so the prefix is looked up there, between the two,
 and handed over as an immutable snapshot.
 """
@@ -98,21 +101,45 @@ class Shaper(Protocol):
     def body(self, gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]: ...  # all choices -> JSON
 
 
-async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, caller: Caller) -> Prepared:
-    """parse -> prefix -> limits -> tokenize -> salt (the module docstring's stages)."""
-    max_choices = ready.config.max_choices
-    parsed = await off_loop(ready.executor, lambda: params.parse(raw, chat, ready.model_name, max_choices,
-                                                                 ready.config.strict_fields))
-    prefix = _snapshot(ready, parsed.req.prefix, caller)
-    check_choices(parsed.num_prompts, parsed.req.params, max_choices)
-    ttl = parsed.req.cache_ttl
-    if ttl is not None and ttl > ready.config.max_lease_seconds:
-        raise invalid(f"the prompt cache lifetime asked for ({ttl:g} s) is over this server's longest lease "
-                      f"({ready.config.max_lease_seconds:g} s)", "prompt_cache_options")
+async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, caller: Caller,
+                  size: int | None = None) -> Prepared:
+    """parse -> prefix -> limits -> tokenize -> salt (the module docstring's stages). A body of --large-body-bytes or
+    more takes the large bodies' tokenizer thread (service/tokenizer_threads.py); an object (a WebSocket
+    message, a Responses conversation) goes by `size`, the bytes it came from (unknown: the tokenizer thread)."""
+    config, run = ready.config, ready.tokenizers.run
+    size = len(raw) if isinstance(raw, bytes) else (size or 0)
     tokenizer = ready.engine.tokenizer
-    prompts = await off_loop(ready.executor, lambda: render.tokenize(parsed, tokenizer, prefix))
+    parsed = await run(size, tokenizer, lambda _: params.parse(raw, chat, ready.model_name, config.max_choices,
+                                                               config.strict_fields))
+    prefix = _snapshot(ready, parsed.req.prefix, caller)
+    check_choices(parsed.num_prompts, parsed.req.params, config.max_choices)
+    ttl = parsed.req.cache_ttl
+    if ttl is not None and ttl > config.max_lease_seconds:
+        raise invalid(f"the prompt cache lifetime asked for ({ttl:g} s) is over this server's longest lease "
+                      f"({config.max_lease_seconds:g} s)", "prompt_cache_options")
+
+    def tokenize(tok: Any) -> list[list[int]]:
+        check_prompt_chars(*_prompt_texts(parsed), config.max_prompt_chars)
+        return render.tokenize(parsed, tok, prefix)
+    prompts = await run(size, tokenizer, tokenize)
     parsed.req.params.cache_salt = cache_salt(caller, parsed.req.cache_salt, prefix, ready.engine.block_size)
     return Prepared(parsed, prompts, ready, caller, prefix)
+
+
+def _prompt_texts(parsed: Parsed) -> tuple[list[str], str]:
+    body = parsed.body
+    if isinstance(body, CompletionRequest):
+        prompt = body.prompt
+        return ([prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]), "prompt"
+    return [m.text() for m in body.messages], "messages"
+
+
+def check_prompt_chars(texts: list[str], param: str, limit: int) -> None:
+    """Before any tokenizing: the text a request would have tokenized, at most `limit` characters in all."""
+    chars = sum(len(t) for t in texts)
+    if chars > limit:
+        raise invalid(f"the {param} hold {chars} characters of text; this server tokenizes at most {limit} per "
+                      "request (--max-prompt-chars)", param)
 
 
 def ignored_fields(names: list[str]) -> dict[str, str]:

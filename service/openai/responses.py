@@ -41,7 +41,7 @@ from service.middleware.metrics import METRICS
 from service.openai import pipeline
 from service.openai.generation import ChoiceDelta, Generation
 from service.openai.params import check_model
-from service.openai.pipeline import Prepared, off_loop, read_body
+from service.openai.pipeline import Prepared, read_body
 from service.openai.schema import ResponsesRequest, parse_model
 from service.openai.sse import KEEPALIVE, SSE_HEADERS, SSEResponse
 from service.state import STATE
@@ -293,7 +293,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     with ready.engine.arriving():
         raw = await read_body(request, ready.config.body_timeout)
         ignored: list[str] = []
-        body: ResponsesRequest = await off_loop(ready.executor, lambda: parse_model(
+        body: ResponsesRequest = await ready.tokenizers.run(len(raw), ready.engine.tokenizer, lambda _: parse_model(
             ResponsesRequest, raw, ready.config.strict_fields, ignored))
         check_model(body.model, ready.model_name)
         history: list[dict[str, Any]] = []
@@ -302,10 +302,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             if prev is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")
             history = [dict(m) for m in prev.conversation]
-        new = await off_loop(ready.executor, lambda: to_messages(body.input))
+        new = await ready.tokenizers.run(len(raw), ready.engine.tokenizer, lambda _: to_messages(body.input))
         chat = _chat_body(body, history + new)
         try:
-            prepared = await pipeline.prepare(ready, chat, chat=True, caller=caller_of(request))
+            prepared = await pipeline.prepare(ready, chat, chat=True, caller=caller_of(request), size=len(raw))
         except ApiError as exc:          # named as this API names the field
             exc.param = _PARAMS.get(exc.param or "", exc.param)
             raise

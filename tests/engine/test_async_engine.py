@@ -312,11 +312,11 @@ async def test_grammars_compile_off_the_loop_and_the_engine_thread(tiny_model_di
         real = grammars.compile
         compiled_on: list[str] = []
 
-        def slow_compile(spec: StructuredSpec) -> Any:
-            compiled_on.append(threading.current_thread().name)   # (the engine thread's later calls: cache hits)
+        def slow_compile(spec: StructuredSpec, cancelled: threading.Event | None = None) -> Any:
+            compiled_on.append(threading.current_thread().name)   # (the engine thread never compiles)
             if spec.param == "slow":
                 release.wait(30)
-            return real(spec)
+            return real(spec, cancelled)
 
         grammars.compile = slow_compile  # type: ignore[method-assign]
         spec = StructuredSpec("regex", "[ab]{3}", "slow")
@@ -332,7 +332,7 @@ async def test_grammars_compile_off_the_loop_and_the_engine_thread(tiny_model_di
         for _ in range(3):
             await asyncio.sleep(0.05)
         assert eng._core.requests == {} and eng.stats().kv_blocks_used == 0
-        assert compiled_on[0] == "grammar_0"
+        assert compiled_on and all(name.startswith("grammar_") for name in compiled_on), compiled_on
         bad = eng.add(toks(5, 4), SamplingParams(max_tokens=4, structured=StructuredSpec("json_schema", "{", "x")))
         with pytest.raises(InvalidRequest):
             await bad.final()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jsonschema
 import pytest
 import redis as redis_py
 import requests
@@ -26,6 +27,7 @@ from tests.helpers.redis_server import RedisServer, free_port
 from tests.helpers.server import ServerProcess, http
 
 SYSTEM = "You are the reliability suite's system prompt; answer in one short line about caches. " * 3
+GRAMMAR_TIMEOUT_S = 3
 ALLOWED_5XX = {"503", "507"}      # store down / draining; pin cap or registry full: the API's contract
 
 
@@ -38,7 +40,8 @@ def redis() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def srv(tiny_llama_dir: Path, redis: RedisServer) -> Iterator[ServerProcess]:
     args = ["--model", str(tiny_llama_dir), "--max-model-len", "256", "--num-kv-blocks", "96", "--block-size", "8",
-            "--redis-url", redis.url, "--keepalive-timeout", "1", "--body-timeout", "1", "--max-num-seqs", "32"]
+            "--redis-url", redis.url, "--keepalive-timeout", "1", "--body-timeout", "1", "--max-num-seqs", "32",
+            "--grammar-compile-timeout", str(GRAMMAR_TIMEOUT_S), "--grammar-cache-size", "4"]
     with ServerProcess(args).start() as s:
         yield s
 
@@ -465,3 +468,191 @@ def test_a_client_that_never_reads_is_cut_off(guarded: ServerProcess) -> None:
         assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
         sock.close()
     attack(guarded, run)
+
+
+def _sse_events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_grammars_with_no_finite_instance(srv: ServerProcess) -> None:
+    """Issue 24, item 10: a schema with no instance at all (`{"$ref": "#"}`) is a 400 naming its field, streamed
+    or not; one that runs into a rule that can never finish is a 400 (an error event once streaming); a choice
+    that ends before `min_tokens` ends with finish_reason "stop" (the grammar's end wins over min_tokens).
+    Each of these used to be a 500."""
+    msg = [{"role": "user", "content": "hi"}]
+    looped = {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}
+
+    def run() -> None:
+        chat = {"messages": msg, "response_format": looped}
+        for path, body, param in [("/v1/chat/completions", chat, "response_format"),
+                                  ("/v1/completions", {"prompt": "x", "guided_json": {"$ref": "#"}}, "guided_json"),
+                                  ("/v1/completions", {"prompt": "x", "guided_json": {"anyOf": [{"$ref": "#"}]}},
+                                   "guided_json")]:
+            for stream in (False, True):
+                r = requests.post(srv.url + path, json={**body, "max_tokens": 8, "stream": stream}, timeout=60)
+                assert r.status_code == 400, (path, stream, r.status_code, r.text[:300])
+                err = r.json()["error"]
+                assert err["param"] == param and "no output" in err["message"], err
+        dead_end = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+                    "$defs": {"x": {"$ref": "#/$defs/x"}}}            # `{"a": ` and then nothing can follow
+        body = {"prompt": "x", "guided_json": dead_end, "max_tokens": 30}
+        status, out = http("POST", f"{srv.url}/v1/completions", body)
+        assert status == 400 and "admits no continuation" in out["error"]["message"], out
+        r = requests.post(f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60)
+        assert r.status_code == 200 and "admits no continuation" in r.text, r.text[-300:]    # after the headers
+        assert r.text.rstrip().endswith("data: [DONE]")
+        body = {"prompt": "mood:", "guided_choice": ["yes", "no"], "min_tokens": 20, "max_tokens": 30}
+        status, out = http("POST", f"{srv.url}/v1/completions", body)
+        assert status == 200, out
+        assert out["choices"][0]["text"] in ("yes", "no") and out["choices"][0]["finish_reason"] == "stop", out
+        r = requests.post(f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60)
+        events = _sse_events(r.text)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+        assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) in ("yes", "no")
+        assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == "stop"
+    attack(srv, run)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _compiles_running(srv: ServerProcess) -> int:
+    """Grammar compiles in flight: the children of the server's compile helper (engine/sample/grammar_probe.py)."""
+    helpers = [c for c in _children(srv.proc.pid)
+               if b"grammar_probe" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return sum(len(_children(h)) for h in helpers)
+
+
+async def _compiles_end(srv: ServerProcess, within: float = 1.5) -> None:
+    deadline = time.monotonic() + within
+    while _compiles_running(srv) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert _compiles_running(srv) == 0
+
+
+def _strings_schema(n: int, max_length: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": max_length + 7 * i}
+                                            for i in range(n)},
+            "required": [f"p{i}" for i in range(n)], "additionalProperties": False}
+
+
+def test_a_grammar_that_compiles_for_a_minute(srv: ServerProcess) -> None:
+    """Issue 24, item 2: a 9 KB schema (200 strings with large maxLength; about a minute to compile on this
+    test model's 384-token vocabulary, more on a real one) is refused with a 400 naming the limit once
+    --grammar-compile-timeout passed; meanwhile another client's plain completion and cheap grammar finish at
+    once; and a client that leaves while its grammar compiles has its compile killed, freeing the compiler."""
+    slow = {"type": "json_schema", "json_schema": {"name": "slow", "schema": _strings_schema(200, 10000)}}
+    msg = [{"role": "user", "content": "hi"}]
+
+    async def run() -> None:
+        async with _session() as s:
+            async def post(path: str, body: dict) -> tuple[int, dict, float]:
+                t = time.monotonic()
+                async with s.post(srv.url + path, json=body) as r:
+                    return r.status, await r.json(), time.monotonic() - t
+
+            def cheap(i: int) -> dict:
+                return {"prompt": "mood:", "max_tokens": 4, "guided_choice": [f"yes{i}", f"no{i}"]}
+
+            assert (await post("/v1/completions", cheap(0)))[0] == 200       # the compile helper is up
+            slow_task = asyncio.create_task(post("/v1/chat/completions", {"messages": msg, "max_tokens": 8,
+                                                                          "response_format": slow}))
+            await asyncio.sleep(0.5)
+            assert _compiles_running(srv) == 1
+            status, _, took = await post("/v1/completions", {"prompt": "a neighbour", "max_tokens": 2})
+            assert status == 200 and took < 5, took
+            status, _, took = await post("/v1/completions", cheap(1))
+            assert status == 200 and took < 5, took
+            status, body, took = await slow_task
+            assert status == 400 and "--grammar-compile-timeout" in body["error"]["message"], body
+            assert body["error"]["param"] == "response_format" and took < GRAMMAR_TIMEOUT_S + 10, took
+            await _compiles_end(srv)                                       # killed, not left compiling
+
+            leaving = [asyncio.create_task(post("/v1/chat/completions", {"messages": msg, "max_tokens": 8,
+                                                                         "response_format": {**slow, "json_schema": {
+                                                                             "name": "x", "schema": _strings_schema(
+                                                                                 200, 20000 + i)}}}))
+                       for i in range(2)]                                  # as many as the compile workers
+            await asyncio.sleep(0.5)
+            assert _compiles_running(srv) == 2
+            for task in leaving:
+                task.cancel()                                              # the clients go away
+            await asyncio.gather(*leaving, return_exceptions=True)
+            await _compiles_end(srv)
+            status, _, took = await post("/v1/completions", cheap(2))        # the compiler is free at once
+            assert status == 200 and took < GRAMMAR_TIMEOUT_S - 1, took
+    attack(srv, lambda: asyncio.run(run()))
+
+
+def test_many_distinct_schemas_keep_the_grammar_cache_bounded(srv: ServerProcess) -> None:
+    """Issue 24, item 3: eight distinct schemas through a server that keeps four compiled grammars: it keeps four
+    (count and bytes, as /metrics reports them), and the first schemas, evicted, compile again and still
+    constrain the output."""
+    schemas = [_strings_schema(3, 30 + i) for i in range(8)]
+
+    def one(schema: dict) -> None:
+        status, out = http("POST", f"{srv.url}/v1/completions", {"prompt": "x", "max_tokens": 40, "temperature": 0,
+                                                                 "guided_json": schema})
+        assert status == 200, out
+        if out["choices"][0]["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(out["choices"][0]["text"]), schema)
+        else:
+            assert out["choices"][0]["text"].startswith('{"p0": "'), out
+
+    def run() -> None:
+        sizes = []
+        for schema in schemas:
+            one(schema)
+            sizes.append(srv.metric("prefixserve_grammar_cache_bytes"))
+            assert srv.metric("prefixserve_grammar_cache_entries") <= 4
+        assert srv.metric("prefixserve_grammar_cache_entries") == 4
+        assert max(sizes) <= 4 * sizes[0] * 1.5 and sizes[-1] > 0, sizes      # four grammars' worth, never eight
+        for schema in schemas[:2]:                                 # evicted long ago: compiled again, and honoured
+            one(schema)
+        assert srv.metric("prefixserve_grammar_cache_entries") == 4
+    attack(srv, run)
+
+
+def test_large_tokenize_bodies_do_not_hold_up_a_small_request(srv: ServerProcess) -> None:
+    """Issue 24, item 14: six ~1 MB /tokenize bodies in flight (a second or more of tokenizing each here) and
+    another client's 2-token completion still finishes at once: large bodies are parsed and tokenized on a
+    thread of their own. Text over --max-prompt-chars is refused with a 400 before any tokenizing."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 .,"
+    text = "".join(alphabet[(i * 7919) % len(alphabet)] for i in range(1_000_000))     # little for BPE to merge
+    big = json.dumps({"prompt": text}).encode()
+    limit = 2**20                                                                        # the default
+
+    async def run() -> None:
+        async with _session() as s:
+            async def tokenize() -> int:
+                async with s.post(f"{srv.url}/tokenize", data=big, headers={"Content-Type": "application/json"}) as r:
+                    return r.status if r.status != 200 else len((await r.json())["tokens"]) and 200
+
+            tasks = [asyncio.create_task(tokenize()) for _ in range(6)]
+            await asyncio.sleep(0.5)                               # the bodies are in, the tokenizing has begun
+            t = time.monotonic()
+            async with s.post(f"{srv.url}/v1/completions", json={"prompt": "a neighbour", "max_tokens": 2}) as r:
+                status = r.status
+            took = time.monotonic() - t
+            assert status == 200 and took < 5, took
+            assert await asyncio.gather(*tasks) == [200] * 6
+
+            over = "y" * (limit + 1)
+            halves = [{"role": "user", "content": over[:limit // 2]}] * 2 + [{"role": "user", "content": "!"}]
+            for path, body, param in [("/tokenize", {"prompt": over}, "prompt"),
+                                      ("/tokenize", {"messages": [{"role": "user", "content": over}]}, "messages"),
+                                      ("/v1/completions", {"prompt": ["hi", over], "max_tokens": 1}, "prompt"),
+                                      ("/v1/chat/completions", {"messages": halves, "max_tokens": 1}, "messages")]:
+                async with s.post(srv.url + path, json=body) as r:
+                    err = (await r.json())["error"]
+                    assert r.status == 400 and err["param"] == param and "--max-prompt-chars" in err["message"], err
+    attack(srv, lambda: asyncio.run(run()))

@@ -4,14 +4,20 @@ exactly the tokens they get alone; a spec that does not compile is refused."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import threading
+import time
 from pathlib import Path
 
 import jsonschema
 import pytest
 
 from engine import LLM, InvalidRequest, SamplingParams
-from engine.sample.structured import StructuredSpec
+from engine.sample.grammar_cache import GrammarCache
+from engine.sample.grammar_probe import CompileCancelled
+from engine.sample.structured import Grammars, StructuredSpec
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"},
@@ -80,3 +86,103 @@ def test_specs_that_do_not_compile_are_refused_at_add(llm: LLM, spec: Structured
         llm.engine.add_request("bad-spec", [1, 2, 3], SamplingParams(structured=spec))
     assert exc.value.param == spec.param
     assert not llm.engine.has_unfinished()
+
+
+def _strings_schema(n: int, max_length: int = 40) -> dict:
+    """n required string properties, each with its own maxLength (each a rule of its own to compile)."""
+    return {"type": "object",
+            "properties": {f"p{i}": {"type": "string", "maxLength": max_length + i} for i in range(n)},
+            "required": [f"p{i}" for i in range(n)], "additionalProperties": False}
+
+
+def test_grammar_cache_evicts_least_recently_used_by_count_and_bytes() -> None:
+    cache = GrammarCache(max_entries=3, max_bytes=100)
+    for key in "abc":
+        assert cache.put(key, key.upper(), 30)
+    assert cache.get("a") == "A"                      # a is now the most recently used
+    assert cache.put("d", "D", 30)                    # over 3 entries: b (least recently used) goes
+    assert cache.keys() == ["c", "a", "d"] and cache.num_bytes == 90
+    assert cache.put("e", "E", 50)                    # over 100 bytes: c, then a go
+    assert cache.keys() == ["d", "e"] and cache.num_bytes == 80 and cache.get("b") is None
+    assert not cache.put("huge", "H", 101)            # alone over the bound: not kept, nothing evicted for it
+    assert cache.keys() == ["d", "e"] and cache.num_bytes == 80
+
+
+def test_compiled_grammars_are_bounded_and_evicted_ones_recompile(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24, item 3: more distinct schemas than the bound keep the cache at its bound (xgrammar's own
+    cache holds nothing), and an evicted schema compiles again and still constrains the output."""
+    g = llm.engine.core.grammars
+    assert g.cache.max_entries == 64 and g.cache.max_bytes == 256 * 2**20         # the config's defaults
+    specs = [StructuredSpec("json_schema", json.dumps(_strings_schema(2, 40 + 3 * i))) for i in range(8)]
+    sizes = [int(g.compile(s).memory_size_bytes) for s in specs]
+    bound = sizes[-1] + sizes[-2]                   # the last two fit, not three: the bytes bound binds first
+    monkeypatch.setattr(g, "cache", GrammarCache(4, bound))
+    compiled = [g.compile(s) for s in specs]
+    assert len(g.cache) == 2 and g.cache.num_bytes == bound and g.cache.keys() == specs[-2:]
+    assert g._compiler.get_cache_size_bytes() == 0
+    again = g.compile(specs[0])                                                  # evicted: compiled again
+    assert again is not compiled[0] and g.cache.keys() == [specs[-1], specs[0]]
+    assert g.matcher(again).accept_string('{"p0": "hi", "p1": "there"}')
+    assert not g.matcher(again).accept_string('{"p0": 1')
+    monkeypatch.setattr(g, "cache", GrammarCache(2, 2**30))     # through the engine: grammars evicted meanwhile
+    schemas = [_strings_schema(2, 8 + i) for i in range(5)] + [_strings_schema(2, 8)]       # the first again
+    outs = llm.generate([[5, 6, 7]] * 6, [SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured=
+                                                         StructuredSpec("json_schema", json.dumps(s)))
+                                          for i, s in enumerate(schemas)])
+    for out, schema in zip(outs, schemas):
+        assert out.outputs[0].finish_reason == "stop", out
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert len(g.cache) == 2
+
+
+def _compile_children(g: Grammars) -> int:
+    """Compiles in flight: the children of the grammar compile helper (engine/sample/grammar_probe.py)."""
+    proc = g._probe._proc
+    if proc is None:
+        return 0
+    return len(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+
+
+def _children_end(g: Grammars, within: float = 1.5) -> None:
+    deadline = time.monotonic() + within
+    while _compile_children(g) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _compile_children(g) == 0
+
+
+def test_a_slow_compile_is_killed_at_the_timeout_or_when_cancelled(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24, item 2: a grammar that would compile for a minute is refused once the timeout passed, naming
+    the limit, and one whose client left is given up at once; neither leaves a compile running."""
+    g = llm.engine.core.grammars
+    g.compile(StructuredSpec("regex", "warm"))                           # the helper process is up
+    monkeypatch.setattr(g, "compile_timeout", 0.5)
+    slow = StructuredSpec("json_schema", json.dumps(_strings_schema(200, 10000)), "guided_json")
+    t = time.monotonic()
+    with pytest.raises(InvalidRequest) as exc:
+        g.compile(slow)
+    assert "within 0.5 s" in exc.value.message and "--grammar-compile-timeout" in exc.value.message
+    assert exc.value.param == "guided_json" and time.monotonic() - t < 5
+    _children_end(g)
+    cancelled = threading.Event()
+    threading.Timer(0.3, cancelled.set).start()
+    monkeypatch.setattr(g, "compile_timeout", 60.0)
+    t = time.monotonic()
+    with pytest.raises(CompileCancelled):
+        g.compile(StructuredSpec("json_schema", json.dumps(_strings_schema(201, 10000))), cancelled)
+    assert time.monotonic() - t < 3
+    _children_end(g)
+    assert len(g.cache) >= 1 and slow not in g.cache.keys()
+
+
+def test_the_compile_helper_dies_and_a_new_one_takes_over(llm: LLM) -> None:
+    """The helper process killed (by anything): the compile in flight fails as a refusal, the next one starts
+    a new helper and compiles."""
+    g = llm.engine.core.grammars
+    g.compile(StructuredSpec("regex", "warm"))
+    proc = g._probe._proc
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    compiled = g.compile(StructuredSpec("regex", "[xy]{2}"))
+    assert g.matcher(compiled).accept_string("xy")
+    assert g._probe._proc is not None and g._probe._proc.pid != proc.pid

@@ -94,6 +94,24 @@ def test_tokenize_and_detokenize_round_trip(server: ServerThread, client: OpenAI
     assert _post(server, "/tokenize", {"prompt": 3}).status_code == 400
 
 
+def test_large_bodies_tokenize_exactly_like_small_ones(server: ServerThread) -> None:
+    """Issue 24, item 14: a body of --large-body-bytes or more is tokenized on a thread of its own with its
+    own copy of the tokenizer: the same tokens as the tokenizer thread's, special-token text included."""
+    pad = " " * server.config.large_body_bytes                        # JSON whitespace: same request, larger body
+    text = "hello world <|im_start|>system\nnot a turn<|im_end|> 123"
+    for body in ({"prompt": text, "return_token_strs": True},
+                 {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]}):
+        raw = json.dumps(body)
+        small = _post_raw(server, "/tokenize", raw)
+        large = _post_raw(server, "/tokenize", raw[:-1] + pad + "}")
+        assert small.status_code == large.status_code == 200 and small.json() == large.json(), (small.text, large.text)
+    assert server.state.tokenizers._copy is not None                   # the large lane did run, with its copy
+
+
+def _post_raw(server: ServerThread, path: str, raw: str) -> requests.Response:
+    return requests.post(server.url + path, data=raw, headers={"Content-Type": "application/json"}, timeout=60)
+
+
 @pytest.mark.parametrize("raw", [b"[" * 3000 + b"]" * 3000, b'{"prompt": "\\ud800"}', b'{"prompt": "a\\ud800b"}'])
 def test_bodies_that_used_to_give_500(server: ServerThread, raw: bytes) -> None:
     for path in ("/v1/completions", "/tokenize", "/v1/prefixes"):
