@@ -28,7 +28,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
@@ -38,6 +38,7 @@ from prefix_store.errors import PrefixNotFound
 from prefix_store.registry import PrefixSnapshot
 from service.errors import ApiError, invalid
 from service.middleware.access_log import record_usage
+from service.middleware.auth import is_admin
 from service.middleware.metrics import METRICS, Metrics
 from service.openai import params, render, sse
 from service.openai.generation import ChoiceDelta, Generation, Usage
@@ -66,11 +67,20 @@ async def read_body(request: web.Request, timeout: float) -> bytes:
 
 @dataclass
 class Prepared:
-    """A request through parse, prefix, limits and tokenize: ready to submit."""
+    """A request through parse, prefix, limits and tokenize: ready to submit.
+
+    `hidden[i]`: how many leading tokens of prompt i this caller may not be shown (a named prefix's, for a
+    caller who may not read its source; 0 otherwise). Every path that returns tokens or text of the prompt
+    (render, echo, prompt token ids, prompt logprobs) leaves them out."""
 
     parsed: Parsed
     prompts: list[list[int]]
     ready: Ready
+    hidden: list[int] = field(default_factory=list)
+
+    def shown(self, i: int) -> list[int]:
+        """Prompt i's tokens as this caller may see them."""
+        return self.prompts[i][self.hidden[i] if self.hidden else 0:]
 
     @property
     def req(self) -> GenerationRequest:
@@ -87,15 +97,27 @@ class Shaper(Protocol):
     def body(self, gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]: ...  # all choices -> JSON
 
 
-async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool) -> Prepared:
-    """parse -> prefix -> limits -> tokenize (the module docstring's stages)."""
+async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, *, may_read_prefix: bool) -> Prepared:
+    """parse -> prefix -> limits -> tokenize (the module docstring's stages). `may_read_prefix`: whether the
+    caller may read a named prefix's source (service/middleware/auth.py: an admin); if not, the prefix's
+    tokens are hidden from whatever the answer shows of the prompt (`Prepared.hidden`)."""
     max_choices = ready.config.max_choices
     parsed = await off_loop(ready.executor, lambda: params.parse(raw, chat, ready.model_name, max_choices,
                                                                  ready.config.strict_fields))
     prefix = _snapshot(ready, parsed.req.prefix)
     check_choices(parsed.num_prompts, parsed.req.params, max_choices)
     tokenizer = ready.engine.tokenizer
-    return Prepared(parsed, await off_loop(ready.executor, lambda: render.tokenize(parsed, tokenizer, prefix)), ready)
+    prompts = await off_loop(ready.executor, lambda: render.tokenize(parsed, tokenizer, prefix))
+    hidden = [0] * len(prompts) if prefix is None or may_read_prefix else [_hidden(p, prefix) for p in prompts]
+    return Prepared(parsed, prompts, ready, hidden)
+
+
+def _hidden(prompt: list[int], prefix: PrefixSnapshot) -> int:
+    """The leading tokens of `prompt` that are the prefix's. A chat template that rendered the prefix's messages
+    into other tokens (registration checks this does not happen) hides the whole prompt: where the prefix's
+    text went is then unknown."""
+    head = len(prefix.token_ids)
+    return head if tuple(prompt[:head]) == prefix.token_ids else len(prompt)
 
 
 def ignored_fields(names: list[str]) -> dict[str, str]:
@@ -134,26 +156,27 @@ async def submit(prepared: Prepared, metrics: Metrics) -> Generation:
     """A prepared request's Generation, its engine requests admitted (else the refusal is raised and
     nothing is left running). The caller closes it."""
     return await Generation.begin(prepared.ready.engine, prepared.prompts, prepared.req.params, metrics,
-                                  _on_finish(prepared), echo=_echo(prepared))
+                                  _on_finish(prepared), echo=_echo(prepared), hidden=prepared.hidden)
 
 
 def generation(prepared: Prepared, metrics: Metrics) -> Generation:
     """The same, not started (the WebSocket starts it itself, so that a cancel can reach it at once)."""
     return Generation(prepared.ready.engine, prepared.prompts, prepared.req.params, metrics, _on_finish(prepared),
-                      echo=_echo(prepared))
+                      echo=_echo(prepared), hidden=prepared.hidden)
 
 
 def _echo(prepared: Prepared) -> list[str] | None:
-    """Completions' `echo`: each prompt's text as the client wrote it (decoded when a prefix went first)."""
+    """Completions' `echo`: each prompt's text as the client wrote it (decoded when a prefix went first; a
+    prefix the caller may not read is left out: its own prompt only)."""
     req, body = prepared.req, prepared.parsed.body
     if not req.echo:
         return None
-    if req.prefix is None and isinstance(body, CompletionRequest):
+    if (req.prefix is None or any(prepared.hidden)) and isinstance(body, CompletionRequest):
         prompt = body.prompt
         texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
         if len(texts) == len(prepared.prompts):
             return texts
-    return [prepared.ready.engine.tokenizer.decode(p) for p in prepared.prompts]
+    return [prepared.ready.engine.tokenizer.decode(prepared.shown(i)) for i in range(len(prepared.prompts))]
 
 
 async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], Shaper]) -> web.StreamResponse:
@@ -161,7 +184,7 @@ async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], S
     ready = request.app[STATE].ready()
     with ready.engine.arriving():       # a burst of requests is prefilled together (AsyncEngine.arriving)
         raw = await read_body(request, ready.config.body_timeout)
-        prepared = await prepare(ready, raw, chat)
+        prepared = await prepare(ready, raw, chat, may_read_prefix=is_admin(request))
     gen = await submit(prepared, request.app[METRICS])      # adds before its first await: no gap to miss
     headers = ignored_fields(prepared.parsed.ignored)
     try:

@@ -36,7 +36,7 @@ from aiohttp import web
 from engine.errors import EngineError
 from service.errors import ApiError, invalid, to_api_error
 from service.middleware.access_log import record_usage
-from service.middleware.auth import presented_key
+from service.middleware.auth import is_admin, presented_key
 from service.middleware.metrics import METRICS
 from service.openai import pipeline
 from service.openai.generation import ChoiceDelta, Generation
@@ -299,7 +299,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         new = await off_loop(ready.executor, lambda: to_messages(body.input))
         chat = _chat_body(body, history + new)
         try:
-            prepared = await pipeline.prepare(ready, chat, chat=True)
+            prepared = await pipeline.prepare(ready, chat, chat=True, may_read_prefix=is_admin(request))
         except ApiError as exc:          # named as this API names the field
             exc.param = _PARAMS.get(exc.param or "", exc.param)
             raise

@@ -59,8 +59,10 @@ async def create_prefix(request: web.Request) -> web.Response:
 
 
 def _visible(request: web.Request, entry: dict[str, Any]) -> dict[str, Any]:
-    """A prefix as this caller may see it: its source text (a system prompt) only for admins."""
-    return entry if is_admin(request) else {**entry, "source": None}
+    """A prefix as this caller may see it: its source text (a system prompt) only for admins; nor, for the
+    others, its block hashes and the model fingerprint that seeds them (with both, a guessed block of tokens
+    could be checked offline)."""
+    return entry if is_admin(request) else {**entry, "source": None, "block_hashes": None, "fingerprint": None}
 
 
 async def list_prefixes(request: web.Request) -> web.Response:

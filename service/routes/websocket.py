@@ -34,7 +34,7 @@ from engine.errors import EngineError
 from prefix_store.errors import RegistryError
 from service.errors import ApiError, invalid, to_api_error
 from service.middleware.access_log import record_usage
-from service.middleware.auth import WS_PROTOCOL
+from service.middleware.auth import WS_PROTOCOL, is_admin
 from service.middleware.metrics import METRICS
 from service.openai import pipeline
 from service.openai.generation import Generation
@@ -121,7 +121,8 @@ class Session:
         gid = live.gid
         try:
             ready = self.state.ready()
-            prepared = await pipeline.prepare(ready, live.body, chat="messages" in live.body)
+            prepared = await pipeline.prepare(ready, live.body, chat="messages" in live.body,
+                                            may_read_prefix=is_admin(self.request))
             pipeline.ignored_fields(prepared.parsed.ignored)        # the log line (the done frame names them)
             gen = pipeline.generation(prepared, self.request.app[METRICS])
             live.gen, live.reasons = gen, [None] * gen.num_choices
