@@ -32,6 +32,8 @@ class ServiceConfig:
     max_choices: int = knob(128, "most prompts x n (and x best_of) per request")
     strict_fields: bool = knob(False, "refuse request fields this server does not know with a 400 (default: "
                                       "accept them, ignored, and name them in a warning and X-Ignored-Fields)")
+    max_echo_logprobs: int = knob(262_144, "most prompt log-probabilities one completion with echo and logprobs "
+                                           "returns: prompt tokens x n x (logprobs + 1); more get a 400")
     max_ws_generations: int = knob(64, "most concurrent generations per WebSocket")
     max_prefixes: int = knob(1024, "most registered prefixes (per model); beyond it registrations get 507")
     keepalive_timeout: float = knob(30.0, "seconds an idle connection, or one whose request headers never "
@@ -57,6 +59,7 @@ class ServiceConfig:
             (self.body_timeout > 0, "body_timeout must be > 0"),
             (self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
             (self.max_choices >= 1, "max_choices must be >= 1"),
+            (self.max_echo_logprobs >= 1, "max_echo_logprobs must be >= 1"),
             (self.max_prefixes >= 1, "max_prefixes must be >= 1"),
             (self.max_ws_generations >= 1, "max_ws_generations must be >= 1"),
             (self.served_model_name is None or bool(self.served_model_name.strip()),

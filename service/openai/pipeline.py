@@ -77,6 +77,7 @@ class Prepared:
     prompts: list[list[int]]
     ready: Ready
     hidden: list[int] = field(default_factory=list)
+    echo: list[str] | None = None       # completions' echo: each prompt's text as the caller may see it
 
     def shown(self, i: int) -> list[int]:
         """Prompt i's tokens as this caller may see them."""
@@ -108,8 +109,12 @@ async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, *, may_
     check_choices(parsed.num_prompts, parsed.req.params, max_choices)
     tokenizer = ready.engine.tokenizer
     prompts = await off_loop(ready.executor, lambda: render.tokenize(parsed, tokenizer, prefix))
+    check_echo_logprobs(prompts, parsed.req, ready.config.max_echo_logprobs)
     hidden = [0] * len(prompts) if prefix is None or may_read_prefix else [_hidden(p, prefix) for p in prompts]
-    return Prepared(parsed, prompts, ready, hidden)
+    prepared = Prepared(parsed, prompts, ready, hidden)
+    if parsed.req.echo:     # decoding a hundred long prompts takes a while: the tokenizer thread's work
+        prepared.echo = await off_loop(ready.executor, lambda: _echo(prepared, tokenizer))
+    return prepared
 
 
 def _hidden(prompt: list[int], prefix: PrefixSnapshot) -> int:
@@ -118,6 +123,19 @@ def _hidden(prompt: list[int], prefix: PrefixSnapshot) -> int:
     text went is then unknown."""
     head = len(prefix.token_ids)
     return head if tuple(prompt[:head]) == prefix.token_ids else len(prompt)
+
+
+def check_echo_logprobs(prompts: list[list[int]], req: GenerationRequest, limit: int) -> None:
+    """Completions' echo with logprobs returns, for every choice, an entry per prompt token with its top
+    alternatives: prompt tokens x choices x (logprobs + 1) entries, capped (`--max-echo-logprobs`)."""
+    k = req.params.prompt_logprobs
+    if not req.echo or k is None:
+        return
+    entries = sum(len(p) for p in prompts) * req.params.n * (k + 1)
+    if entries > limit:
+        raise invalid(f"echo with logprobs would return {entries} log-probabilities (prompt tokens x n x "
+                      f"(logprobs + 1)); this server returns at most {limit} (--max-echo-logprobs): send a "
+                      "shorter prompt, fewer prompts, or a smaller logprobs", "logprobs")
 
 
 def ignored_fields(names: list[str]) -> dict[str, str]:
@@ -156,27 +174,25 @@ async def submit(prepared: Prepared, metrics: Metrics) -> Generation:
     """A prepared request's Generation, its engine requests admitted (else the refusal is raised and
     nothing is left running). The caller closes it."""
     return await Generation.begin(prepared.ready.engine, prepared.prompts, prepared.req.params, metrics,
-                                  _on_finish(prepared), echo=_echo(prepared), hidden=prepared.hidden)
+                                  _on_finish(prepared), echo=prepared.echo, hidden=prepared.hidden)
 
 
 def generation(prepared: Prepared, metrics: Metrics) -> Generation:
     """The same, not started (the WebSocket starts it itself, so that a cancel can reach it at once)."""
     return Generation(prepared.ready.engine, prepared.prompts, prepared.req.params, metrics, _on_finish(prepared),
-                      echo=_echo(prepared), hidden=prepared.hidden)
+                      echo=prepared.echo, hidden=prepared.hidden)
 
 
-def _echo(prepared: Prepared) -> list[str] | None:
+def _echo(prepared: Prepared, tokenizer: Any) -> list[str]:
     """Completions' `echo`: each prompt's text as the client wrote it (decoded when a prefix went first; a
     prefix the caller may not read is left out: its own prompt only)."""
     req, body = prepared.req, prepared.parsed.body
-    if not req.echo:
-        return None
     if (req.prefix is None or any(prepared.hidden)) and isinstance(body, CompletionRequest):
         prompt = body.prompt
         texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
         if len(texts) == len(prepared.prompts):
             return texts
-    return [prepared.ready.engine.tokenizer.decode(prepared.shown(i)) for i in range(len(prepared.prompts))]
+    return [tokenizer.decode(prepared.shown(i)) for i in range(len(prepared.prompts))]
 
 
 async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], Shaper]) -> web.StreamResponse:
@@ -195,7 +211,9 @@ async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], S
                 if prepared.req.continuous_usage else (lambda d: shape.chunks(gen, d))
             return await sse.stream(request, gen, chunks, usage_chunk, ready.config.keepalive_interval, headers)
         choices = await gen.collect()
-        return web.json_response({**shape.body(gen, choices), "usage": gen.usage.as_dict()}, headers=headers)
+        text = await sse.shaped(sum(len(c.token_ids) for c in choices), lambda: sse.dumps(
+            {**shape.body(gen, choices), "usage": gen.usage.as_dict()}))
+        return web.json_response(text=text, headers=headers)
     finally:
         gen.close()
         record_usage(request, gen.usage)

@@ -37,8 +37,9 @@ from service.middleware.access_log import record_usage
 from service.middleware.auth import WS_PROTOCOL, is_admin
 from service.middleware.metrics import METRICS
 from service.openai import pipeline
-from service.openai.generation import Generation
-from service.openai.logprobs import chat_logprobs
+from service.openai.generation import ChoiceDelta, Generation
+from service.openai.logprobs import TokenText, chat_logprobs
+from service.openai.sse import dumps, shaped
 from service.state import STATE
 
 
@@ -136,11 +137,7 @@ class Session:
                     if live.cancelled:
                         break
                     if d.text or d.token_ids:
-                        frame = {"type": "delta", "id": gid, "index": d.index, "text": d.text,
-                                 "token_ids": d.token_ids}
-                        if tokens is not None and top_k is not None:
-                            frame["logprobs"] = chat_logprobs(tokens, d.token_ids, d.logprobs or [], top_k)["content"]
-                        await self.ws.send_json(frame)
+                        await self.ws.send_str(await shaped(len(d.token_ids), _delta_frame, gid, d, tokens, top_k))
                     if d.finish_reason is not None:
                         live.reasons[d.index] = d.finish_reason
             reasons: list[str | None] = [r or "cancelled" for r in live.reasons] if live.cancelled else live.reasons
@@ -195,6 +192,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
     finally:
         request.app[SESSIONS].discard(session)
     return ws
+
+
+def _delta_frame(gid: Any, d: ChoiceDelta, tokens: TokenText | None, top_k: int | None) -> str:
+    frame: dict[str, Any] = {"type": "delta", "id": gid, "index": d.index, "text": d.text, "token_ids": d.token_ids}
+    if tokens is not None and top_k is not None:
+        frame["logprobs"] = chat_logprobs(tokens, d.token_ids, d.logprobs or [], top_k)["content"]
+    return dumps(frame)
 
 
 def setup(app: web.Application) -> None:

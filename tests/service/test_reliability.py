@@ -32,7 +32,8 @@ def redis() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def srv(tiny_llama_dir: Path, redis: RedisServer) -> Iterator[ServerProcess]:
     args = ["--model", str(tiny_llama_dir), "--max-model-len", "256", "--num-kv-blocks", "96", "--block-size", "8",
-            "--redis-url", redis.url, "--keepalive-timeout", "1", "--body-timeout", "1", "--max-num-seqs", "32"]
+            "--redis-url", redis.url, "--keepalive-timeout", "1", "--body-timeout", "1", "--max-num-seqs", "32",
+            "--max-echo-logprobs", "600000"]
     with ServerProcess(args).start() as s:
         yield s
 
@@ -235,3 +236,48 @@ def test_degenerate_sampling_and_cross_site_posts(srv: ServerProcess) -> None:
                     assert r.status == 415
         assert http("GET", f"{srv.url}/v1/prefixes/xsite")[0] == 404
     attack(srv, lambda: asyncio.run(run()))
+
+
+def _health_stall(srv: ServerProcess, during: Callable[[], None]) -> float:
+    """The longest /health took while `during` ran (polled back to back from another thread)."""
+    import threading
+    worst, done = [0.0], threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            t0 = time.monotonic()
+            assert http("GET", f"{srv.url}/health", timeout=60)[0] == 200
+            worst[0] = max(worst[0], time.monotonic() - t0)
+            time.sleep(0.01)
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        during()
+    finally:
+        done.set()
+        poller.join()
+    return worst[0]
+
+
+def test_echo_logprobs_are_capped_and_formatted_off_the_loop(srv: ServerProcess) -> None:
+    """Issue 24, item 12: echo + logprobs returned prompt tokens x alternatives without a cap (one 2 MB body:
+    ~1.7 GiB held, the event loop stalled 17 s formatting them). Past --max-echo-logprobs (prompt tokens x n x
+    (logprobs + 1), 600,000 here) a 400 names the field; a legal one (302,400 entries: formatted on the loop, and
+    with the collector walking every object loading left, it stalled /health for 0.5 s) leaves /health answering."""
+    prompt = [(7 * i) % 300 + 3 for i in range(240)]
+
+    def run() -> None:
+        status, err = http("POST", f"{srv.url}/v1/completions", {"prompt": [prompt] * 128, "echo": True,
+                                                                  "logprobs": 20, "max_tokens": 0})
+        assert status == 400 and err["error"]["param"] == "logprobs", err
+        assert "max-echo-logprobs" in err["error"]["message"] and "645120" in err["error"]["message"]
+
+        answer: list[requests.Response] = []         # parsed once the polling stopped (the client's own GIL)
+        body = {"prompt": [prompt] * 60, "echo": True, "logprobs": 20, "max_tokens": 0}
+        stall = _health_stall(srv, lambda: answer.append(requests.post(f"{srv.url}/v1/completions", json=body,
+                                                                        timeout=300)))
+        assert answer[0].status_code == 200, answer[0].text[:300]
+        out = answer[0].json()
+        assert len(out["choices"]) == 60 and len(out["choices"][59]["logprobs"]["tokens"]) == 240
+        assert stall < 0.25, stall
+    attack(srv, run)
