@@ -281,3 +281,17 @@ def test_echo_logprobs_are_capped_and_formatted_off_the_loop(srv: ServerProcess)
         assert len(out["choices"]) == 60 and len(out["choices"][59]["logprobs"]["tokens"]) == 240
         assert stall < 0.25, stall
     attack(srv, run)
+
+
+def test_beam_width_over_max_num_seqs(srv: ServerProcess) -> None:
+    """Issue 24, item 18: one HTTP request with more beams than --max-num-seqs (32 here) livelocked the engine for
+    everyone. best_of, n and beam widths over it get a 400 naming the field; one at the cap completes."""
+    def run() -> None:
+        for body, param in (({"best_of": 33, "use_beam_search": True, "temperature": 0}, "best_of"),
+                            ({"n": 33}, "n"), ({"n": 2, "best_of": 40}, "best_of")):
+            status, err = http("POST", f"{srv.url}/v1/completions", {"prompt": "wide", "max_tokens": 4, **body})
+            assert status == 400 and err["error"]["param"] == param and "max_num_seqs" in err["error"]["message"], err
+        status, out = http("POST", f"{srv.url}/v1/completions", {"prompt": "wide", "max_tokens": 4, "best_of": 32,
+                                                                  "use_beam_search": True, "temperature": 0})
+        assert status == 200 and out["choices"][0]["finish_reason"] in ("length", "stop"), out
+    attack(srv, run)
