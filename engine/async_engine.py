@@ -20,6 +20,13 @@ Who owns what:
   engine thread and refused through the stream.
 - The loop owns the streams (RequestStream) and the pin futures. After each step the engine thread
   returns a _StepResult that the loop delivers.
+- Tokenizers: a Hugging Face fast tokenizer reconfigures its one Rust object on every encode (special tokens
+  split or not, truncation, padding), so two threads encoding with one tokenizer can get each other's
+  settings (a grammar's vocabulary read with special tokens split, say). Rule: a tokenizer object is encoded
+  with by one thread only; others may only decode with it. The engine's own (`LLMEngine.tokenizer`) serves
+  the engine thread (detokenizing) and the grammar thread (xgrammar reads its vocabulary once);
+  `AsyncEngine.tokenizer` is a copy for the caller's one encoding thread (the service's tokenizer thread);
+  whoever decodes elsewhere keeps a copy of its own (the service's TokenText).
 
 Outputs go to a RequestStream: one pending output per request, merging deltas while the consumer lags
 (RequestOutput.merge), so delivery never blocks and the engine never waits for a slow client.
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import logging
 import queue
@@ -164,7 +172,7 @@ class AsyncEngine:
         # NOTE: the engine thread's state; the service never touches it (tests may read it between steps)
         self._core = self._engine.core
         # What never changes after loading, readable from any thread:
-        self.tokenizer = self._engine.tokenizer
+        self.tokenizer = copy.deepcopy(self._engine.tokenizer)     # the caller's: see "Who owns what"
         self.fingerprint = self._engine.fingerprint
         self.tokenizer_version = self._engine.loaded.tokenizer_version
         self.max_model_len = self._engine.max_model_len

@@ -431,3 +431,20 @@ async def test_a_request_id_reused_right_after_an_abort_gets_only_its_own_output
             assert sum(len(o.outputs[0].token_ids) for o in outs) == 3
     finally:
         await eng.shutdown()
+
+
+async def test_the_encoding_thread_has_a_tokenizer_of_its_own(tiny_llama_dir: Path) -> None:
+    """Issue 24, item 20 (e): one tokenizer object served the service's tokenizer thread (which encodes message
+    content with special tokens split, a setting the Rust object keeps), the engine thread and the grammar thread,
+    under a rule nobody wrote down. The caller's encoding tokenizer is now a copy: encoding with it leaves the
+    engine's settings (and so its grammars' view of the vocabulary) alone, and both tokenize alike."""
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=64))
+    engine_side = eng._engine.tokenizer
+    eng.tokenizer("<|im_end|> hi", add_special_tokens=False, split_special_tokens=True)
+    assert eng.tokenizer._tokenizer.encode_special_tokens                    # the setting sticks to the object...
+    assert not engine_side._tokenizer.encode_special_tokens                  # ...that the engine does not share
+    text = "<|im_start|>user\\nhello world<|im_end|>"
+    assert eng.tokenizer.encode(text) == engine_side.encode(text) and eng.tokenizer.chat_template == \
+        engine_side.chat_template
+    await eng.start()
+    await eng.shutdown()
