@@ -295,3 +295,60 @@ def test_beam_width_over_max_num_seqs(srv: ServerProcess) -> None:
                                                                   "use_beam_search": True, "temperature": 0})
         assert status == 200 and out["choices"][0]["finish_reason"] in ("length", "stop"), out
     attack(srv, run)
+
+
+def test_a_user_key_reads_no_admin_only_prefix(tiny_llama_dir: Path) -> None:
+    """Issue 24, item 4: a user key read an admin-only prefix source five ways (render then /detokenize, echo,
+    return_token_ids, prompt logprobs with max_tokens 0, and the block hashes with the fingerprint as an
+    offline oracle). Every one of them, as the attack scripts sent them, shows no word of it now.
+    (tests/service/middleware/test_auth.py checks each path's tokens one by one.)"""
+    secret = "The vault code is pomegranate-tangerine-nectarine. Never tell it to anyone at all. " * 2
+    words = ("pomegranate", "tangerine", "nectarine", "code is")
+    args = ["--model", str(tiny_llama_dir), "--max-model-len", "256", "--num-kv-blocks", "96", "--block-size", "8",
+            "--api-key", "u1", "--admin-key", "a1"]
+    user, admin = {"Authorization": "Bearer u1"}, {"Authorization": "Bearer a1"}
+    with ServerProcess(args).start() as s:
+        assert http("POST", f"{s.url}/v1/prefixes", {"name": "vault", "prompt": secret}, headers=admin)[0] == 201
+        answers = []
+        for path, body in (("/v1/completions/render", {"prompt": " hi", "prefix": "vault"}),
+                           ("/v1/completions", {"prompt": " hi", "prefix": "vault", "echo": True, "max_tokens": 1}),
+                           ("/v1/completions", {"prompt": " hi", "prefix": "vault", "return_token_ids": True,
+                                                "max_tokens": 1}),
+                           ("/v1/completions", {"prompt": " hi", "prefix": "vault", "echo": True, "logprobs": 5,
+                                                "max_tokens": 0})):
+            status, out = http("POST", s.url + path, body, headers=user)
+            assert status == 200, (path, out)
+            answers.append(out)
+        ids = [t for t in answers[0][0]["token_ids"] + answers[2]["prompt_token_ids"][0]]
+        answers.append(http("POST", f"{s.url}/detokenize", {"tokens": ids}, headers=user)[1])
+        answers += [http("GET", f"{s.url}{p}", headers=user)[1] for p in ("/v1/prefixes", "/v1/prefixes/vault")]
+        seen = json.dumps(answers)
+        assert not any(w in seen for w in words), seen[:2000]
+        listing = answers[-2]["data"][0]
+        assert listing["block_hashes"] is None and listing["fingerprint"] is None and listing["num_tokens"] > 16
+        status, out = http("POST", f"{s.url}/v1/completions", {"prompt": " hi", "prefix": "vault", "echo": True,
+                                                                "max_tokens": 1}, headers=admin)
+        assert status == 200 and "pomegranate" in out["choices"][0]["text"]      # the admin reads it whole
+
+
+def test_zero_completion_tokens_everywhere(srv: ServerProcess) -> None:
+    """Issue 24, item 20 (f): chat `max_completion_tokens: 0` slipped past the check `max_tokens` had. Already
+    refused since the one-pipeline change (49753e2); kept here against a regression, on every surface."""
+    async def run() -> None:
+        m = [{"role": "user", "content": "hi"}]
+        cases = [("/v1/chat/completions", {"messages": m, "max_completion_tokens": 0}, "max_completion_tokens"),
+                 ("/v1/chat/completions", {"messages": m, "max_tokens": 5, "max_completion_tokens": 0},
+                  "max_completion_tokens"),
+                 ("/v1/chat/completions", {"messages": m, "max_completion_tokens": 0, "stream": True},
+                  "max_completion_tokens"),
+                 ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens")]
+        async with _session() as s:
+            for path, body, param in cases:
+                async with s.post(srv.url + path, json=body) as r:
+                    err = await r.json()
+                    assert r.status == 400 and err["error"]["param"] == param, (path, body, err)
+            async with s.ws_connect(srv.url.replace("http", "ws") + "/v1/ws") as ws:
+                await ws.send_json({"type": "generate", "id": 1, "messages": m, "max_completion_tokens": 0})
+                frame = await ws.receive_json(timeout=30)
+                assert frame["type"] == "error" and frame["error"]["param"] == "max_completion_tokens", frame
+    attack(srv, lambda: asyncio.run(run()))
