@@ -20,6 +20,13 @@ Who owns what:
   engine thread and refused through the stream.
 - The loop owns the streams (RequestStream) and the pin futures. After each step the engine thread
   returns a _StepResult that the loop delivers.
+- Tokenizers: a Hugging Face fast tokenizer reconfigures its one Rust object on every encode (special tokens
+  split or not, truncation, padding), so two threads encoding with one tokenizer can get each other's
+  settings (a grammar's vocabulary read with special tokens split, say). Rule: a tokenizer object is encoded
+  with by one thread only; others may only decode with it. The engine's own (`LLMEngine.tokenizer`) serves
+  the engine thread (detokenizing) and the grammar thread (xgrammar reads its vocabulary once);
+  `AsyncEngine.tokenizer` is a copy for the caller's one encoding thread (the service's tokenizer thread);
+  whoever decodes elsewhere keeps a copy of its own (the service's TokenText).
 
 Outputs go to a RequestStream: one pending output per request, merging deltas while the consumer lags
 (RequestOutput.merge), so delivery never blocks and the engine never waits for a slow client.
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import itertools
 import logging
@@ -63,6 +71,7 @@ class RequestStream:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
+        self._public: dict[str, str] = {}     # engine id -> the id its caller gave (AsyncEngine.add)
         self._pending: dict[str, RequestOutput] = {}
         self._errors: list[EngineError] = []
         self._open: set[str] = set()          # submitted, not finished
@@ -74,7 +83,8 @@ class RequestStream:
     def finished(self) -> bool:
         return not self._open and not self._pending
 
-    def _submitted(self, request_id: str) -> None:
+    def _submitted(self, request_id: str, public_id: str) -> None:
+        self._public[request_id] = public_id
         self._open.add(request_id)
         self._unaccepted.add(request_id)
         self._admitted.clear()
@@ -117,6 +127,7 @@ class RequestStream:
         for out in outs:
             if out.error is not None:
                 raise out.error
+            out.request_id = self._public.get(out.request_id, out.request_id)
         return outs
 
     async def final(self) -> list[RequestOutput]:
@@ -131,7 +142,7 @@ class RequestStream:
         """Ends every unfinished request of the stream (idempotent); blocks are freed at the next step.
         A consumer waiting in `accepted`, `get` or `final` wakes up (with what had arrived)."""
         for rid in self._open:
-            self._engine.abort(rid)
+            self._engine._abort_life(rid)
         self._engine._forget(self._open)
         self._open.clear()
         self._unaccepted.clear()
@@ -146,6 +157,8 @@ class _StepResult:
     failures: list[tuple[str, EngineError]] = field(default_factory=list)            # request id, error
     pins: list[tuple[str, PinnedPrefix | None, EngineError | None]] = field(default_factory=list)
     unpins: list[tuple[asyncio.Future[int], int]] = field(default_factory=list)   # unpin and reset answers
+    refused: list[tuple[asyncio.Future[int], EngineError]] = field(default_factory=list)  # unpins / resets that failed
+    retired: list[str] = field(default_factory=list)     # engine ids whose abort was applied: no output follows
     stats: EngineStats | None = None
 
 
@@ -162,7 +175,7 @@ class AsyncEngine:
         # NOTE: the engine thread's state; the service never touches it (tests may read it between steps)
         self._core = self._engine.core
         # What never changes after loading, readable from any thread:
-        self.tokenizer = self._engine.tokenizer
+        self.tokenizer = copy.deepcopy(self._engine.tokenizer)     # the caller's: see "Who owns what"
         self.fingerprint = self._engine.fingerprint
         self.tokenizer_version = self._engine.loaded.tokenizer_version
         self.max_model_len = self._engine.max_model_len
@@ -173,7 +186,12 @@ class AsyncEngine:
         self.kv_cache_dtype = self._core.kv_cache_dtype
         self.attention_backend = self._core.attention_backend
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}                        # loop side
+        self._streams: dict[str, RequestStream] = {}                        # loop side, by engine id
+        # NOTE: a request's engine id is unique per life: the id its caller gave, or, while an earlier request of
+        # that id is being aborted (outputs of a step that ran before the abort reached the engine thread may
+        # still come), that id with a suffix, so the old life's outputs never reach the new one's stream.
+        self._ids: dict[str, str] = {}                                      # loop side: caller's id -> engine id
+        self._retiring: set[str] = set()                                    # loop side: aborted, not yet applied
         self._pin_futures: dict[str, asyncio.Future[PinnedPrefix]] = {}      # loop side
         self._pins_waiting: set[str] = set()                                 # engine-thread side
         self._pin_ids = itertools.count()
@@ -227,13 +245,17 @@ class AsyncEngine:
         that depend on the cache arrive through the stream."""
         if not self.is_running:
             raise EngineDead("the engine is not running")
-        rid = request_id or uuid.uuid4().hex
-        if rid in self._streams:
-            raise InvalidRequest(f"request id {rid!r} is already in use", param="id")
+        public = request_id or uuid.uuid4().hex
+        if public in self._ids:
+            raise InvalidRequest(f"request id {public!r} is already in use", param="id")
+        rid = public
+        while rid in self._retiring or rid in self._streams:
+            rid = f"{public}#{uuid.uuid4().hex[:8]}"
         request = self._core.make_request(rid, prompt_token_ids, params)
         stream = stream or RequestStream(self)
-        stream._submitted(rid)
+        stream._submitted(rid, public)
         self._streams[rid] = stream
+        self._ids[public] = rid
         if params.structured is None:
             self._send(("add", request))
         else:   # its grammar compiles first, on a grammar thread: neither the loop nor the engine waits
@@ -281,7 +303,7 @@ class AsyncEngine:
         if exc is None:
             self._send(("add", dataclasses.replace(request, grammar=fut.result())))
             return
-        self._streams.pop(rid, None)
+        self._ended(rid)
         if isinstance(exc, CompileCancelled):       # `abort(rid)` called while it compiled
             exc = EngineError("the request was aborted while its grammar compiled")
         stream._fail(rid, exc if isinstance(exc, EngineError) else
@@ -301,14 +323,30 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Idempotent; the request's blocks are freed at the start of the next step, its grammar's compile
         (when it is still compiling) is stopped. Any thread."""
-        cancelled = self._compiling.get(request_id)
+        self._stop(self._ids.get(request_id, request_id))
+
+    def _abort_life(self, rid: str) -> None:
+        """Loop side: aborts the request of engine id `rid`; until the engine thread applied it, a new request
+        of the same caller's id runs under another engine id."""
+        self._retiring.add(rid)
+        self._stop(rid)
+
+    def _stop(self, rid: str) -> None:
+        cancelled = self._compiling.get(rid)
         if cancelled is not None:
             cancelled.set()
-        self._send(("abort", request_id))
+        self._send(("abort", rid))
 
     def _forget(self, request_ids: set[str]) -> None:
         for rid in request_ids:
-            self._streams.pop(rid, None)
+            self._ended(rid)
+
+    def _ended(self, rid: str) -> None:
+        """Loop side: engine id `rid` has no stream any more (finished, failed, aborted)."""
+        stream = self._streams.pop(rid, None)
+        public = stream._public.get(rid) if stream is not None else None
+        if public is not None and self._ids.get(public) == rid:
+            del self._ids[public]
 
     async def pin_prefix(self, token_ids: list[int], salt: CacheSalt = ()) -> PinnedPrefix:
         """Computes (or reuses) the prefix's KV and pins its full blocks; the pins are the caller's once
@@ -396,7 +434,11 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
-            self._apply(cmd, res)
+            try:
+                self._apply(cmd, res)
+            except Exception as exc:    # a fault of ours in one command fails what it was for, not the engine
+                log.exception("engine command %r failed", cmd[0])
+                self._contain(cmd, EngineError(f"internal error: {exc!r}"), res)
         if engine.has_unfinished():
             try:
                 res.outputs.extend(engine.step())
@@ -418,6 +460,25 @@ class AsyncEngine:
         res.stats = engine.stats()
         return res
 
+    def _contain(self, cmd: tuple[Any, ...], error: EngineError, res: _StepResult) -> None:
+        """Engine thread: after `cmd` raised, undo what it started and tell its caller (its request fails, its
+        future gets the error); what cannot be undone is logged."""
+        kind = cmd[0]
+        try:
+            if kind == "add":
+                res.failures.append((cmd[1].request_id, error))
+                self._engine.abort(cmd[1].request_id)   # whatever part of it was admitted
+            elif kind == "pin":
+                self._engine.release_pin(cmd[1], keep=False)
+                self._pins_waiting.discard(cmd[1])
+                res.pins.append((cmd[1], None, error))
+            elif kind in ("unpin", "reset"):
+                res.refused.append((cmd[1], error))
+            elif kind == "abort":
+                res.retired.append(cmd[1])
+        except Exception:
+            log.exception("undoing the failed %r command failed too", kind)
+
     def _apply(self, cmd: tuple[Any, ...], res: _StepResult) -> None:
         engine = self._engine
         kind = cmd[0]
@@ -432,6 +493,7 @@ class AsyncEngine:
             out = engine.abort(cmd[1])
             if out is not None:
                 res.outputs.append(out)
+            res.retired.append(cmd[1])
         elif kind == "pin":
             engine.start_pin(cmd[1], cmd[2], cmd[3])
             self._pins_waiting.add(cmd[1])
@@ -453,13 +515,15 @@ class AsyncEngine:
         for out in res.outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream._put(out)
                 if out.finished:
-                    self._streams.pop(out.request_id, None)
+                    self._ended(out.request_id)
+                stream._put(out)
         for rid, exc in res.failures:
-            stream = self._streams.pop(rid, None)
+            stream = self._streams.get(rid)
             if stream is not None:
+                self._ended(rid)
                 stream._fail(rid, exc)
+        self._retiring.difference_update(res.retired)
         for job_id, result, error in res.pins:
             fut = self._pin_futures.get(job_id)
             if fut is None or fut.done():
@@ -471,3 +535,6 @@ class AsyncEngine:
         for ufut, n in res.unpins:
             if not ufut.done():
                 ufut.set_result(n)
+        for ufut, error in res.refused:
+            if not ufut.done():
+                ufut.set_exception(error)

@@ -170,6 +170,14 @@ class EngineCore:
             raise InvalidRequest("the prompt must contain at least one token", param="prompt")
         if params.use_beam_search and params.stop:
             raise InvalidRequest("stop strings are not supported with beam search", param="stop")
+        width = params.best_of or params.n
+        if width > self.config.max_num_seqs:
+            # Every sample (or beam) is a sequence of its own in the batch; a beam search steps only when all
+            # its beams have their logits, so more beams than batch seats could never step (item 18 of issue 24)
+            param = "best_of" if width > params.n else "n"
+            raise InvalidRequest(f"{param} ({width}) must be at most the batch's max_num_seqs "
+                                 f"({self.config.max_num_seqs}): each sample or beam runs as its own sequence",
+                                 param=param)
         vocab = self.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt")

@@ -48,6 +48,8 @@ class ServiceConfig:
                                             "thread of their own, so that small requests never wait behind them")
     strict_fields: bool = knob(False, "refuse request fields this server does not know with a 400 (default: "
                                       "accept them, ignored, and name them in a warning and X-Ignored-Fields)")
+    max_echo_logprobs: int = knob(262_144, "most prompt log-probabilities one completion with echo and logprobs "
+                                           "returns: prompt tokens x n x (logprobs + 1); more get a 400")
     max_ws_generations: int = knob(64, "most concurrent generations per WebSocket")
     max_ws_per_client: int = knob(16, "most WebSockets one client holds open at once (a client: its API key, or "
                                       "its address without keys); beyond it the upgrade gets 429")
@@ -97,6 +99,7 @@ class ServiceConfig:
             (self.max_choices >= 1, "max_choices must be >= 1"),
             (self.max_prompt_chars >= 1, "max_prompt_chars must be >= 1"),
             (self.large_body_bytes >= 1, "large_body_bytes must be >= 1"),
+            (self.max_echo_logprobs >= 1, "max_echo_logprobs must be >= 1"),
             (self.max_prefixes >= 1, "max_prefixes must be >= 1"),
             (self.max_ws_generations >= 1, "max_ws_generations must be >= 1"),
             (self.max_prefixes_per_tenant >= 1, "max_prefixes_per_tenant must be >= 1"),

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.models.gguf import checkpoint_dir, is_gguf, native_quantization, q4_weights, stored_fingerprint
+from engine.models.gguf import checkpoint_dir, file_digest, is_gguf, native_quantization, q4_weights, stored_fingerprint
 from engine.models.llama import LlamaForCausalLM, ModelArgs, rope_inv_freq
 from engine.models.quant import QUANTIZATIONS, quantize_model
 
@@ -120,6 +120,36 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
+def weights_digest(path: Path, cache_dir: Path | None = None) -> str:
+    """A digest of a checkpoint directory's weight files' content (the .safetensors files, by name and bytes):
+    two fine-tunes of one base share config and tokenizer, not weights. Hashing reads every byte (~0.5 s a
+    GB), so each file's digest is cached in `cache_dir` (default: default_cache_dir()) under its absolute path,
+    size and modification time; a cache that cannot be read or written is only a slower start."""
+    cache_file = (cache_dir or default_cache_dir()) / "weights-digests.json"
+    try:
+        cache: dict[str, list[Any]] = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    parts, changed = [], False
+    for file in sorted(path.glob("*.safetensors")):
+        st = file.stat()
+        key, stamp = str(file.resolve()), [st.st_size, st.st_mtime_ns]
+        entry = cache.get(key)
+        if not (isinstance(entry, list) and entry[:2] == stamp and len(entry) == 3):
+            entry = [*stamp, file_digest(file)]
+            cache[key], changed = entry, True
+        parts.append(f"{file.name}:{entry[2]}".encode())
+    if changed:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache))
+            os.replace(tmp, cache_file)
+        except OSError:
+            pass
+    return _digest(*parts)
+
+
 def load_model(model: str, device: str = "cpu", dtype: str = "float32", quantization: str | None = None) -> LoadedModel:
     """`quantization`: none, int8 or int4; None: the checkpoint's own (a GGUF's, on the CPU; none otherwise)."""
     from transformers import AutoTokenizer
@@ -154,8 +184,9 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32", quantiza
     tokenizer_version = _digest(*(p.read_bytes() for p in tok_files),
                                 (getattr(tokenizer, "chat_template", None) or "").encode())
     weights_cfg = json.dumps({k: v for k, v in cfg.items() if k != "transformers_version"}, sort_keys=True)
-    # a converted GGUF carries the digest of the whole file (weights included); a directory, its config
-    source = stored_fingerprint(path) or weights_cfg
+    # a converted GGUF carries the digest of the whole file (weights included); a directory, its config and
+    # the digest of its weight files (two fine-tunes of one base must not share hashes nor a Redis namespace)
+    source = stored_fingerprint(path) or weights_cfg + weights_digest(path)
     fingerprint = _digest(source.encode(), tokenizer_version.encode())[:32]
     eos = cfg.get("eos_token_id")
     gen_cfg = path / "generation_config.json"

@@ -9,6 +9,11 @@ Each step, in this order, under the budgets `max_num_seqs` and `max_num_batched_
      only the rest is scheduled (a chunk of it if the budget is short); one whose next prompt block
      another running sequence is computing waits for it (in-flight dedupe) and lets the next ones go.
 A sequence samples a token in a step iff that step's chunk reaches its last token.
+
+Beam groups move as a unit: a beam search steps only once every live beam has its logits, so a beam left
+waiting would hold its running siblings (their seats and blocks) forever. Preempting a beam preempts its
+running siblings too, each forgetting the logits it computed; a waiting group is admitted whole or not at
+all. A request never has more samples or beams than `max_num_seqs` (refused when made: EngineCore).
 """
 from __future__ import annotations
 
@@ -85,9 +90,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING or seq.num_tokens - seq.num_computed != 1:
                 continue
             while not self.manager.grow(seq.seq_id, seq.num_computed + 1, write_from=seq.num_computed):
-                victim = self._youngest_unscheduled(scheduled_ids)
-                self._preempt(victim, out)
-                if victim is seq:
+                budget += self._preempt(self._youngest_unscheduled(scheduled_ids), out, scheduled_ids)
+                if seq.status is not Status.RUNNING:     # it was the victim, or a beam of the victim's group
                     break
             if seq.status is Status.RUNNING:
                 out.scheduled.append(ScheduledSeq(seq, 1, True))
@@ -104,9 +108,8 @@ class Scheduler:
             # Short of blocks: a smaller chunk; no room at all: preempt the youngest (maybe this one),
             # or sequences mid-prefill could hold each other's memory forever.
             while (room := self.manager.growable_tokens(seq.seq_id, seq.num_computed) - seq.num_computed) <= 0:
-                victim = self._youngest_unscheduled(scheduled_ids)
-                self._preempt(victim, out)
-                if victim is seq:
+                budget += self._preempt(self._youngest_unscheduled(scheduled_ids), out, scheduled_ids)
+                if seq.status is not Status.RUNNING:
                     break
             if seq.status is not Status.RUNNING:
                 continue
@@ -125,45 +128,99 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            if self.manager.enable_prefix_caching:
-                seq.block_hashes = self.manager.block_hashes(seq.token_ids, seq.block_hashes, seq.params.cache_salt)
-            # prompt log-probabilities need every prompt position computed: no prefix-cache hit then
-            hit = self.manager.lookup(seq.token_ids, seq.block_hashes) if seq.params.prompt_logprobs is None \
-                else PrefixHit((), 0)
-            if self._waits_for_inflight(seq, hit):
+            unit = self._unit(seq)
+            if len(self.running) + len(unit) > self.max_num_seqs:
+                break
+            hit = self._lookup(seq)
+            if len(unit) == 1 and self._waits_for_inflight(seq, hit):
                 deferred.append(self.waiting.popleft())
                 continue
-            num_new = min(seq.num_tokens - hit.num_tokens, budget)
-            # keep a small watermark of free blocks for running decodes, so admissions do not thrash
-            prompt_hashes = seq.block_hashes[:seq.num_prompt_tokens // self.manager.block_size]
-            if (self.running and self.manager.blocks_needed(seq.seq_id, hit.num_tokens + num_new, hit)
-                    > self.manager.pool.num_free - self.watermark) or \
-                    not self.manager.allocate(seq.seq_id, seq.token_ids, hit, hit.num_tokens + num_new,
-                                              prompt_hashes if seq.params.prompt_logprobs is None else (),
-                                              seq.params.cache_salt):
-                if not self.running and not out.scheduled:
-                    # Nothing runs that could free blocks: this one can never fit.
-                    self.waiting.popleft()
-                    self.manager.free(seq.seq_id)
-                    out.failed.append(seq)
-                    continue
-                break
-            self.waiting.popleft()
-            seq.num_computed = hit.num_tokens
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = hit.num_tokens
-                self.prefix_queried_tokens += seq.num_prompt_tokens
-                self.prefix_hit_tokens += hit.num_tokens
-            seq.status = Status.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.arrival)
-            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed + num_new == seq.num_tokens))
-            scheduled_ids.add(seq.seq_id)
-            budget -= num_new
+            admitted: list[Sequence] = []
+            for member in unit:
+                took = self._admit(member, budget, out, scheduled_ids, hit if member is seq else None)
+                if took is None:
+                    break
+                admitted.append(member)
+                budget -= took
+            if len(admitted) == len(unit):
+                continue
+            for member in reversed(admitted):      # a beam group comes back whole or not at all
+                budget += self._unadmit(member, out, scheduled_ids)
+            if not self.running and not out.scheduled:
+                # Nothing runs that could free blocks: this one can never fit.
+                for member in unit:
+                    self.waiting.remove(member)
+                    self.manager.free(member.seq_id)
+                    out.failed.append(member)
+                continue
+            break
         self.waiting.extendleft(reversed(deferred))        # back at the front, in their order
 
         out.copies = self.manager.pending_copies
         self.manager.pending_copies = []
         return out
+
+    def _unit(self, seq: Sequence) -> list[Sequence]:
+        """What is admitted together with `seq`: the waiting beams of its group (a beam search steps only when
+        every live beam has its logits, so a beam left waiting would hold its running siblings forever), else
+        `seq` alone."""
+        group = seq.group
+        if group is None or group.beam is None or len(group.seqs) < 2:
+            return [seq]
+        return [s for s in self.waiting if s.group is group]
+
+    def _lookup(self, seq: Sequence) -> PrefixHit:
+        if self.manager.enable_prefix_caching:
+            seq.block_hashes = self.manager.block_hashes(seq.token_ids, seq.block_hashes, seq.params.cache_salt)
+        # prompt log-probabilities need every prompt position computed: no prefix-cache hit then
+        return self.manager.lookup(seq.token_ids, seq.block_hashes) if seq.params.prompt_logprobs is None \
+            else PrefixHit((), 0)
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput, scheduled_ids: set[int],
+               hit: PrefixHit | None = None) -> int | None:
+        """Moves a waiting sequence to running with blocks for its cache hit and a first chunk of at most `budget`
+        tokens (none when the budget is spent: it computes from the next step on); the tokens scheduled, or None
+        when the blocks are not there (nothing changed then). `hit`: its prefix-cache hit, if just looked up."""
+        hit = hit if hit is not None else self._lookup(seq)
+        num_new = min(seq.num_tokens - hit.num_tokens, budget)
+        # keep a small watermark of free blocks for running decodes, so admissions do not thrash
+        prompt_hashes = seq.block_hashes[:seq.num_prompt_tokens // self.manager.block_size]
+        if (self.running and self.manager.blocks_needed(seq.seq_id, hit.num_tokens + num_new, hit)
+                > self.manager.pool.num_free - self.watermark) or \
+                not self.manager.allocate(seq.seq_id, seq.token_ids, hit, hit.num_tokens + num_new,
+                                          prompt_hashes if seq.params.prompt_logprobs is None else (),
+                                          seq.params.cache_salt):
+            return None
+        self.waiting.remove(seq)
+        seq.num_computed = hit.num_tokens
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = hit.num_tokens
+            self.prefix_queried_tokens += seq.num_prompt_tokens
+            self.prefix_hit_tokens += hit.num_tokens
+        seq.status = Status.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+        if num_new:
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed + num_new == seq.num_tokens))
+            scheduled_ids.add(seq.seq_id)
+        return num_new
+
+    def _unadmit(self, seq: Sequence, out: SchedulerOutput, scheduled_ids: set[int]) -> int:
+        """Undoes `_admit` (its group could not come in whole); returns the tokens it had scheduled."""
+        took = self._unschedule(seq, out, scheduled_ids)
+        self.running.remove(seq)
+        self.manager.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        return took
+
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput, scheduled_ids: set[int]) -> int:
+        if seq.seq_id not in scheduled_ids:
+            return 0
+        scheduled_ids.discard(seq.seq_id)
+        (entry,) = [s for s in out.scheduled if s.seq is seq]
+        out.scheduled.remove(entry)
+        return entry.num_new
 
     def _waits_for_inflight(self, seq: Sequence, hit: PrefixHit) -> bool:
         """Its next prompt block is being computed by another running sequence (in-flight dedupe). It never
@@ -183,16 +240,28 @@ class Scheduler:
                 return seq
         raise AssertionError("a sequence being scheduled is always unscheduled")
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, scheduled_ids: set[int]) -> int:
         """Preemption by recompute: free every block; prompt + output so far is recomputed later
-        (much of it will hit the prefix cache, since freed blocks keep their hashes)."""
-        self.running.remove(seq)
-        self.manager.free(seq.seq_id)
-        seq.num_computed = 0
-        seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-        out.preempted.append(seq)
+        (much of it will hit the prefix cache, since freed blocks keep their hashes). A beam takes its running
+        siblings with it (they would wait for its logits while holding seats and blocks; the group is readmitted
+        as a unit), and each forgets logits it computed: they are recomputed with it. Returns the tokens that
+        were scheduled this step for what it preempted (given back to the step's budget)."""
+        group = seq.group
+        victims = [seq]
+        if group is not None and group.beam is not None:
+            victims += [s for s in group.seqs if s is not seq and s.status is Status.RUNNING]
+        freed = 0
+        for victim in reversed(victims):       # the group's order, kept at the front of the queue
+            freed += self._unschedule(victim, out, scheduled_ids)
+            self.running.remove(victim)
+            self.manager.free(victim.seq_id)
+            victim.num_computed = 0
+            victim.pending_logprobs = None
+            victim.status = Status.WAITING
+            self.waiting.appendleft(victim)
+            self.num_preemptions += 1
+            out.preempted.append(victim)
+        return freed
 
     def update(self, out: SchedulerOutput) -> None:
         """After the forward pass: the scheduled tokens are now in the cache."""

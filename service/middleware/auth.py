@@ -23,7 +23,9 @@ for it; keyless callers (where no API key is needed) are one tenant. The middlew
 Open to everyone: GET /health, and the demo page with its static files (they hold no data; the page
 asks for the key). /metrics is open unless `metrics_require_key`. With admin keys configured, the
 registry writes and cache flushes (ADMIN_ROUTES) need the admin role: 403 for a user, 401 for anonymous; reading a
-prefix's source text needs it too (service/prefixes.py redacts it for the others).
+prefix's source text needs it too, on every path that returns tokens or text (`is_admin`: the registry's views
+in service/routes/prefixes.py, and `Prepared.hidden` in service/openai/pipeline.py for render, echo, prompt
+token ids and logprobs).
 
 Keys are compared in constant time: both sides are hashed with SHA-256 and every configured key is
 compared (no early exit), so neither the length nor which key matched shows in the timing.
@@ -159,7 +161,7 @@ async def auth_middleware(request: web.Request,
 
 
 def is_admin(request: web.Request) -> bool:
-    """Whether the caller may read what only admins may (a prefix's source text)."""
+    """Whether the caller may read what only admins may (a prefix's source text, its tokens and block hashes)."""
     return request.get(ROLE) == "admin"
 
 

@@ -84,5 +84,5 @@ class ChatShaper:
                           **({"token_ids": c.token_ids} if self.req.return_token_ids else {})})
         out = {**self.head(gen), "object": "chat.completion", "choices": items}
         if self.req.return_token_ids:
-            out["prompt_token_ids"] = gen.prompts[0]
+            out["prompt_token_ids"] = gen.shown_prompt(0)
         return out

@@ -37,7 +37,7 @@ class CompletionShaper:
     def body(self, gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]:
         out = {**self.head(gen), "choices": [self._choice(c) for c in choices]}
         if self.req.return_token_ids:
-            out["prompt_token_ids"] = gen.prompts
+            out["prompt_token_ids"] = [gen.shown_prompt(i) for i in range(len(gen.prompts))]
         return out
 
     def _choice(self, d: ChoiceDelta) -> dict[str, Any]:

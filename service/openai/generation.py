@@ -51,7 +51,7 @@ class Usage:
 class Generation:
     def __init__(self, engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
                  metrics: Metrics, on_finish: Callable[[Usage], None] | None = None,
-                 echo: list[str] | None = None) -> None:
+                 echo: list[str] | None = None, hidden: list[int] | None = None) -> None:
         self.id = uuid.uuid4().hex
         self.created = int(time.time())
         self.prompts = prompts
@@ -74,6 +74,12 @@ class Generation:
         self._done: set[int] = set()              # prompts whose engine request finished (counted in the metrics)
         self._echo = echo                         # per prompt, its text, put before each of its choices
         self._echoed: set[int] = set()            # choices whose first delta carried the prompt
+        # per prompt, its leading tokens the caller may not see (a named prefix's: pipeline.Prepared.hidden)
+        self._hidden = hidden or [0] * len(prompts)
+
+    def shown_prompt(self, i: int) -> list[int]:
+        """Prompt i's tokens as the caller may see them (what echo, prompt token ids and logprobs show)."""
+        return self.prompts[i][self._hidden[i]:]
 
     @property
     def num_choices(self) -> int:
@@ -81,10 +87,11 @@ class Generation:
 
     @classmethod
     async def begin(cls, engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, metrics: Metrics,
-                    on_finish: Callable[[Usage], None] | None = None, echo: list[str] | None = None) -> Generation:
+                    on_finish: Callable[[Usage], None] | None = None, echo: list[str] | None = None,
+                    hidden: list[int] | None = None) -> Generation:
         """A Generation, started: every engine request admitted (else the first refusal is raised and
         nothing is left running)."""
-        gen = cls(engine, prompts, params, metrics, on_finish, echo)
+        gen = cls(engine, prompts, params, metrics, on_finish, echo, hidden)
         await gen.start()
         return gen
 
@@ -138,9 +145,10 @@ class Generation:
             if self._echo is not None and index not in self._echoed:
                 self._echoed.add(index)
                 d.text = self._echo[prompt] + d.text
-                d.token_ids = self.prompts[prompt] + d.token_ids
+                d.token_ids = self.shown_prompt(prompt) + d.token_ids
                 if d.logprobs is not None or out.prompt_logprobs is not None:
-                    d.logprobs = list(out.prompt_logprobs or [None] * len(self.prompts[prompt])) + (d.logprobs or [])
+                    shown = out.prompt_logprobs or [None] * len(self.prompts[prompt])
+                    d.logprobs = list(shown[self._hidden[prompt]:]) + (d.logprobs or [])
             deltas.append(d)
         if out.finished:
             self._open -= 1

@@ -13,6 +13,7 @@ token that holds half of a UTF-8 character still reports its byte (its string is
 """
 from __future__ import annotations
 
+import copy
 import re
 from functools import lru_cache
 from typing import Any
@@ -37,10 +38,14 @@ _UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 class TokenText:
-    """Token id -> (string, bytes), cached: the vocabulary does not change while the server runs."""
+    """Token id -> (string, bytes), cached: the vocabulary does not change while the server runs.
+
+    NOTE: it decodes with its own copy of the tokenizer, on the event loop and on the threads answers are shaped
+    on (sse.shaped): decoding only reads a tokenizer, but an encode on another thread reconfigures the Rust
+    object it shares (engine/async_engine.py, "Who owns what")."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
+        self._tokenizer = copy.deepcopy(tokenizer)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._byte_level = "ByteLevel" in repr(getattr(backend, "decoder", None))
         self.lookup = lru_cache(maxsize=65536)(self._lookup)

@@ -37,7 +37,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
@@ -77,7 +77,11 @@ async def read_body(request: web.Request, timeout: float) -> bytes:
 
 @dataclass
 class Prepared:
-    """A request through parse, prefix, limits and tokenize: ready to submit."""
+    """A request through parse, prefix, limits and tokenize: ready to submit.
+
+    `hidden[i]`: how many leading tokens of prompt i this caller may not be shown (a named prefix's, for a
+    caller who may not read its source; 0 otherwise). Every path that returns tokens or text of the prompt
+    (render, echo, prompt token ids, prompt logprobs) leaves them out."""
 
     parsed: Parsed
     prompts: list[list[int]]
@@ -85,6 +89,12 @@ class Prepared:
     caller: Caller
     prefix: PrefixSnapshot | None = None
     lease: asyncio.Task[None] | None = None     # the prompt_cache_key lease, once the generation ended
+    hidden: list[int] = field(default_factory=list)
+    echo: list[str] | None = None       # completions' echo: each prompt's text as the caller may see it
+
+    def shown(self, i: int) -> list[int]:
+        """Prompt i's tokens as this caller may see them."""
+        return self.prompts[i][self.hidden[i] if self.hidden else 0:]
 
     @property
     def req(self) -> GenerationRequest:
@@ -103,9 +113,11 @@ class Shaper(Protocol):
 
 async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, caller: Caller,
                   size: int | None = None) -> Prepared:
-    """parse -> prefix -> limits -> tokenize -> salt (the module docstring's stages). A body of --large-body-bytes or
-    more takes the large bodies' tokenizer thread (service/tokenizer_threads.py); an object (a WebSocket
-    message, a Responses conversation) goes by `size`, the bytes it came from (unknown: the tokenizer thread)."""
+    """parse -> prefix -> limits -> tokenize -> salt (the module docstring's stages). A body of
+    --large-body-bytes or more takes the large bodies' tokenizer thread (service/tokenizer_threads.py); an
+    object (a WebSocket message, a Responses conversation) goes by `size`, the bytes it came from (unknown:
+    the tokenizer thread). A named prefix's tokens are hidden (`Prepared.hidden`) from whatever the answer
+    shows of the prompt, unless the caller may read its source (an admin, or its own tenant's)."""
     config, run = ready.config, ready.tokenizers.run
     size = len(raw) if isinstance(raw, bytes) else (size or 0)
     tokenizer = ready.engine.tokenizer
@@ -122,8 +134,15 @@ async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, caller:
         check_prompt_chars(*_prompt_texts(parsed), config.max_prompt_chars)
         return render.tokenize(parsed, tok, prefix)
     prompts = await run(size, tokenizer, tokenize)
+    check_echo_logprobs(prompts, parsed.req, config.max_echo_logprobs)
     parsed.req.params.cache_salt = cache_salt(caller, parsed.req.cache_salt, prefix, ready.engine.block_size)
-    return Prepared(parsed, prompts, ready, caller, prefix)
+    # a caller reads a prefix's source if it is an admin, or the prefix is its own tenant's (keyed owner/name)
+    may_read = prefix is None or caller.admin or prefix.key != prefix.name
+    hidden = [0] * len(prompts) if may_read else [_hidden(p, prefix) for p in prompts]   # type: ignore[arg-type]
+    prepared = Prepared(parsed, prompts, ready, caller, prefix, hidden=hidden)
+    if parsed.req.echo:     # decoding a hundred long prompts takes a while: the tokenizer thread's work
+        prepared.echo = await run(size, tokenizer, lambda tok: _echo(prepared, tok))
+    return prepared
 
 
 def _prompt_texts(parsed: Parsed) -> tuple[list[str], str]:
@@ -140,6 +159,27 @@ def check_prompt_chars(texts: list[str], param: str, limit: int) -> None:
     if chars > limit:
         raise invalid(f"the {param} hold {chars} characters of text; this server tokenizes at most {limit} per "
                       "request (--max-prompt-chars)", param)
+
+
+def _hidden(prompt: list[int], prefix: PrefixSnapshot) -> int:
+    """The leading tokens of `prompt` that are the prefix's. A chat template that rendered the prefix's messages
+    into other tokens (registration checks this does not happen) hides the whole prompt: where the prefix's
+    text went is then unknown."""
+    head = len(prefix.token_ids)
+    return head if tuple(prompt[:head]) == prefix.token_ids else len(prompt)
+
+
+def check_echo_logprobs(prompts: list[list[int]], req: GenerationRequest, limit: int) -> None:
+    """Completions' echo with logprobs returns, for every choice, an entry per prompt token with its top
+    alternatives: prompt tokens x choices x (logprobs + 1) entries, capped (`--max-echo-logprobs`)."""
+    k = req.params.prompt_logprobs
+    if not req.echo or k is None:
+        return
+    entries = sum(len(p) for p in prompts) * req.params.n * (k + 1)
+    if entries > limit:
+        raise invalid(f"echo with logprobs would return {entries} log-probabilities (prompt tokens x n x "
+                      f"(logprobs + 1)); this server returns at most {limit} (--max-echo-logprobs): send a "
+                      "shorter prompt, fewer prompts, or a smaller logprobs", "logprobs")
 
 
 def ignored_fields(names: list[str]) -> dict[str, str]:
@@ -196,26 +236,25 @@ async def submit(prepared: Prepared, metrics: Metrics) -> Generation:
     """A prepared request's Generation, its engine requests admitted (else the refusal is raised and
     nothing is left running). The caller closes it."""
     return await Generation.begin(prepared.ready.engine, prepared.prompts, prepared.req.params, metrics,
-                                  _on_finish(prepared), echo=_echo(prepared))
+                                  _on_finish(prepared), echo=prepared.echo, hidden=prepared.hidden)
 
 
 def generation(prepared: Prepared, metrics: Metrics) -> Generation:
     """The same, not started (the WebSocket starts it itself, so that a cancel can reach it at once)."""
     return Generation(prepared.ready.engine, prepared.prompts, prepared.req.params, metrics, _on_finish(prepared),
-                      echo=_echo(prepared))
+                      echo=prepared.echo, hidden=prepared.hidden)
 
 
-def _echo(prepared: Prepared) -> list[str] | None:
-    """Completions' `echo`: each prompt's text as the client wrote it (decoded when a prefix went first)."""
+def _echo(prepared: Prepared, tokenizer: Any) -> list[str]:
+    """Completions' `echo`: each prompt's text as the client wrote it (decoded when a prefix went first; a
+    prefix the caller may not read is left out: its own prompt only)."""
     req, body = prepared.req, prepared.parsed.body
-    if not req.echo:
-        return None
-    if req.prefix is None and isinstance(body, CompletionRequest):
+    if (req.prefix is None or any(prepared.hidden)) and isinstance(body, CompletionRequest):
         prompt = body.prompt
         texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
         if len(texts) == len(prepared.prompts):
             return texts
-    return [prepared.ready.engine.tokenizer.decode(p) for p in prepared.prompts]
+    return [tokenizer.decode(prepared.shown(i)) for i in range(len(prepared.prompts))]
 
 
 async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], Shaper]) -> web.StreamResponse:
@@ -237,7 +276,9 @@ async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], S
         choices = await gen.collect()
         if prepared.lease is not None:
             await asyncio.shield(prepared.lease)
-        return web.json_response({**shape.body(gen, choices), "usage": gen.usage.as_dict()}, headers=headers)
+        text = await sse.shaped(sum(len(c.token_ids) for c in choices), lambda: sse.dumps(
+            {**shape.body(gen, choices), "usage": gen.usage.as_dict()}))
+        return web.json_response(text=text, headers=headers)
     finally:
         gen.close()
         record_usage(request, gen.usage)

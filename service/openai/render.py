@@ -9,8 +9,9 @@ A named prefix composes at the level its source was registered at:
   prompt's, encoded without the tokenizer's special tokens (no second BOS);
 - registered with a `prompt`, named by a chat request: refused (400); there is no message to put first.
 
-NOTE: runs on the tokenizer thread (service/openai/pipeline.py); Hugging Face fast tokenizers are not
-safe to reconfigure from several threads at once.
+NOTE: runs on the tokenizer thread (service/openai/pipeline.py), the one thread that encodes with
+`AsyncEngine.tokenizer`: a Hugging Face fast tokenizer reconfigures itself on each encode (the split special
+tokens below), so it is never encoded with from two threads (engine/async_engine.py, "Who owns what").
 """
 from __future__ import annotations
 

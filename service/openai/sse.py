@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -28,6 +28,7 @@ SSE_HEADERS = {
 KEEPALIVE = b": keep-alive\n\n"
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 class ClientStalled(ConnectionResetError):
@@ -63,7 +64,57 @@ class SSEResponse(web.StreamResponse):
 
 
 def event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + dumps(payload, compact=True).encode() + b"\n\n"
+
+
+def dumps(obj: Any, compact: bool = False) -> str:
+    """json.dumps (compact: no spaces, UTF-8 as is), but in pieces: a container holding containers, and a long
+    list, is written one element at a time. json's C encoder holds the GIL for a whole call: one call over an
+    echoed prompt's log-probabilities (~7 MB) kept the event loop from running for 0.2 s even on another thread."""
+    kw: dict[str, Any] = {"ensure_ascii": False, "separators": (",", ":")} if compact else {}
+    out: list[str] = []
+    _pieces(obj, out, kw, *((",", ":") if compact else (", ", ": ")))
+    return "".join(out)
+
+
+_FLAT_LIST = 512     # elements of a list of scalars encoded in one call
+
+
+def _pieces(obj: Any, out: list[str], kw: dict[str, Any], item_sep: str, key_sep: str) -> None:
+    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj) and \
+            any(isinstance(v, (dict, list)) for v in obj.values()):
+        out.append("{")
+        for i, (k, v) in enumerate(obj.items()):
+            out.append((item_sep if i else "") + json.dumps(k, **kw) + key_sep)
+            _pieces(v, out, kw, item_sep, key_sep)
+        out.append("}")
+    elif isinstance(obj, list) and (len(obj) > _FLAT_LIST or any(isinstance(v, (dict, list)) for v in obj)):
+        out.append("[")
+        for i, v in enumerate(obj):
+            if i:
+                out.append(item_sep)
+            _pieces(v, out, kw, item_sep, key_sep)
+        out.append("]")
+    else:
+        out.append(json.dumps(obj, **kw))
+
+
+# A delta of more tokens than this (an echoed prompt, with its log-probabilities: up to --max-echo-logprobs
+# entries, ~0.5 s of Python to shape and serialize) is shaped on a worker thread, not on the event loop.
+LARGE_DELTA_TOKENS = 256
+
+
+async def shaped(num_tokens: int, shape: Callable[..., T], *args: Any) -> T:
+    """`shape(*args)` on the loop when it is small, else on a worker thread (the loop keeps serving meanwhile).
+    NOTE: the shaping objects (a Shaper, TokenText) are then touched by that thread while the caller awaits it,
+    never by two threads at once; TokenText's tokenizer only decodes there (engine/async_engine.py's rule)."""
+    if num_tokens <= LARGE_DELTA_TOKENS:
+        return shape(*args)
+    return await asyncio.to_thread(shape, *args)
+
+
+def _events(chunks: Callable[[ChoiceDelta], list[dict[str, Any]]], delta: ChoiceDelta) -> bytes:
+    return b"".join(event(c) for c in chunks(delta))
 
 
 async def stream(request: web.Request, gen: Generation, chunks: Callable[[ChoiceDelta], list[dict[str, Any]]],
@@ -82,7 +133,7 @@ async def stream(request: web.Request, gen: Generation, chunks: Callable[[Choice
             if delta is None:
                 await resp.write(KEEPALIVE)
                 continue
-            await resp.write(b"".join(event(c) for c in chunks(delta)))
+            await resp.write(await shaped(len(delta.token_ids), _events, chunks, delta))
     except EngineError as exc:  # headers are sent: the error travels as one more event
         await resp.write(event(to_api_error(exc).body()))
     except ConnectionError:     # the client went away between two events

@@ -86,8 +86,12 @@ def _check_ttl(ttl: float | None, longest: float) -> None:
 
 
 def _visible(request: web.Request, entry: dict[str, Any]) -> dict[str, Any]:
-    """A prefix as this caller may see it: its source text (a system prompt) and owner only for admins."""
-    return entry if is_admin(request) else {**entry, "source": None, "owner": None}
+    """A prefix as this caller may see it: its source text (a system prompt) and owner only for admins or its
+    own tenant; nor, for the others, its block hashes and the model fingerprint that seeds them (with both, a
+    guessed block of tokens could be checked offline)."""
+    if is_admin(request) or not entry["published"]:       # a tenant sees only its own and the published ones
+        return entry
+    return {**entry, "source": None, "owner": None, "block_hashes": None, "fingerprint": None}
 
 
 def _tenant(request: web.Request) -> str | None:

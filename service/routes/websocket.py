@@ -46,8 +46,9 @@ from service.middleware.access_log import record_usage
 from service.middleware.auth import WS_PROTOCOL, presented_key
 from service.middleware.metrics import METRICS
 from service.openai import pipeline
-from service.openai.generation import Generation
-from service.openai.logprobs import chat_logprobs
+from service.openai.generation import ChoiceDelta, Generation
+from service.openai.logprobs import TokenText, chat_logprobs
+from service.openai.sse import dumps, shaped
 from service.state import STATE
 from service.tenants import caller_of
 
@@ -107,13 +108,14 @@ class Session:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def send(self, frame: dict[str, Any]) -> None:
-        """Sends one frame; ConnectionResetError when the peer is gone or has left it unread for
-        `write_timeout` seconds (then the connection is aborted: nothing more can reach that client)."""
+    async def send(self, frame: dict[str, Any] | str) -> None:
+        """Sends one frame (a dict, or its JSON already serialized); ConnectionResetError when the peer is
+        gone or has left it unread for `write_timeout` seconds (then the connection is aborted: nothing more
+        can reach that client)."""
         timeout = self.state.config.write_timeout
         try:
             async with asyncio.timeout(timeout):
-                await self.ws.send_json(frame)
+                await self.ws.send_str(frame if isinstance(frame, str) else dumps(frame))
         except TimeoutError:
             if self.request.transport is not None:
                 self.request.transport.abort()
@@ -175,11 +177,7 @@ class Session:
                     if live.cancelled:
                         break
                     if d.text or d.token_ids:
-                        frame = {"type": "delta", "id": gid, "index": d.index, "text": d.text,
-                                 "token_ids": d.token_ids}
-                        if tokens is not None and top_k is not None:
-                            frame["logprobs"] = chat_logprobs(tokens, d.token_ids, d.logprobs or [], top_k)["content"]
-                        await self.send(frame)
+                        await self.send(await shaped(len(d.token_ids), _delta_frame, gid, d, tokens, top_k))
                     if d.finish_reason is not None:
                         live.reasons[d.index] = d.finish_reason
             reasons: list[str | None] = [r or "cancelled" for r in live.reasons] if live.cancelled else live.reasons
@@ -256,6 +254,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
         if clients[client] <= 0:
             del clients[client]
     return ws
+
+
+def _delta_frame(gid: Any, d: ChoiceDelta, tokens: TokenText | None, top_k: int | None) -> str:
+    frame: dict[str, Any] = {"type": "delta", "id": gid, "index": d.index, "text": d.text, "token_ids": d.token_ids}
+    if tokens is not None and top_k is not None:
+        frame["logprobs"] = chat_logprobs(tokens, d.token_ids, d.logprobs or [], top_k)["content"]
+    return dumps(frame)
 
 
 def setup(app: web.Application) -> None:

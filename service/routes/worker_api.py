@@ -67,7 +67,8 @@ async def server_info(request: web.Request) -> web.Response:
         "instance_id": f"{_host(request)}:{state.config.port}", "kv_block_size": engine.block_size,
         "max_model_len": engine.max_model_len, "max_num_seqs": cfg.max_num_seqs,
         "max_num_batched_tokens": cfg.max_num_batched_tokens, "num_kv_blocks": engine.stats().kv_blocks_total,
-        "enable_prefix_caching": cfg.enable_prefix_caching, "fingerprint": engine.fingerprint,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "fingerprint": engine.fingerprint if is_admin(request) else None,     # seeds every block hash: admins
         "device": cfg.device, "dtype": cfg.dtype, "attention_backend": engine.attention_backend,
         "kv_cache_dtype": engine.kv_cache_dtype,
         "kv_backend": cfg.kv_backend,
@@ -135,22 +136,30 @@ def _generate_request(request_id: str, token_ids: list[int], req: GenerationRequ
             "sampling_params": dataclasses.asdict(req.params)}
 
 
-async def render_completion(request: web.Request) -> web.Response:
+async def _render(request: web.Request, chat: bool) -> list[dict[str, Any]]:
+    """The GenerateRequest of each prompt. A named prefix whose source the caller may not read (a user key)
+    is left out of `token_ids`: they start after it, and `num_hidden_prefix_tokens` says how many came
+    before (the router, with an admin key, gets them whole)."""
     ready = request.app[STATE].ready()
-    prepared = await prepare(ready, await read_body(request, ready.config.body_timeout), chat=False,
+    prepared = await prepare(ready, await read_body(request, ready.config.body_timeout), chat=chat,
                              caller=caller_of(request))
-    rid = uuid.uuid4().hex
-    return web.json_response([_generate_request(f"cmpl-{rid}-{i}", p, prepared.req, ready.model_name)
-                              for i, p in enumerate(prepared.prompts)])
+    rid = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
+    out = []
+    for i, hidden in enumerate(prepared.hidden):
+        one = _generate_request(rid if chat else f"{rid}-{i}", prepared.shown(i), prepared.req, ready.model_name)
+        if hidden:
+            one["num_hidden_prefix_tokens"] = hidden
+        out.append(one)
+    return out
+
+
+async def render_completion(request: web.Request) -> web.Response:
+    return web.json_response(await _render(request, chat=False))
 
 
 async def render_chat(request: web.Request) -> web.Response:
-    ready = request.app[STATE].ready()
-    prepared = await prepare(ready, await read_body(request, ready.config.body_timeout), chat=True,
-                             caller=caller_of(request))
-    (prompt,) = prepared.prompts
-    return web.json_response(_generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt, prepared.req,
-                                               ready.model_name))
+    (one,) = await _render(request, chat=True)
+    return web.json_response(one)
 
 
 async def flush_cache(request: web.Request) -> web.Response:

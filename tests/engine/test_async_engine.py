@@ -371,3 +371,80 @@ async def test_a_step_from_idle_waits_for_requests_still_arriving(tiny_llama_dir
             assert loop.time() - t0 < 5
     finally:
         await eng.shutdown()
+
+
+async def test_a_failing_command_fails_its_request_not_the_engine(tiny_llama_dir: Path) -> None:
+    """Issue 24, item 20 (a): an exception other than an EngineError while the engine thread applied a command (an
+    add, an unpin) ended the engine loop: every request of every client failed from then on. It now fails that
+    command's request (or caller) only, undoing what it started, and the engine goes on."""
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
+    await eng.start()
+    output_add, unpin = eng._engine.output.add, eng._engine.unpin_prefix
+
+    def broken_add(group: Any) -> None:      # fault injection: after the core admitted it
+        if group.request_id == "bad":
+            raise KeyError("injected")
+        output_add(group)
+
+    def broken_unpin(token_ids: list[int]) -> int:
+        raise ValueError("injected unpin fault")
+    eng._engine.output.add = broken_add      # type: ignore[method-assign]
+    eng._engine.unpin_prefix = broken_unpin  # type: ignore[method-assign]
+    try:
+        good = eng.add(toks(6, 1), SamplingParams(max_tokens=6, ignore_eos=True), request_id="good")
+        with pytest.raises(EngineError, match="injected"):
+            async for _ in eng.generate(toks(6, 2), SamplingParams(max_tokens=6, ignore_eos=True), request_id="bad"):
+                pass
+        with pytest.raises(EngineError, match="injected unpin fault"):
+            await asyncio.wait_for(eng.unpin_prefix(toks(8, 3)), 30)
+        assert eng.is_running
+        outs = await good.final()
+        assert len(outs[0].outputs[0].token_ids) == 6 and outs[0].finished
+        eng._engine.unpin_prefix = unpin         # type: ignore[method-assign]
+        n = 0
+        async for out in eng.generate(toks(6, 4), SamplingParams(max_tokens=5, ignore_eos=True)):
+            n += len(out.outputs[0].token_ids)
+        assert n == 5 and eng.stats().kv_blocks_used == 0 and not eng._engine.request_ids
+    finally:
+        eng._engine.output.add = output_add      # type: ignore[method-assign]
+        await eng.shutdown()
+
+
+async def test_a_request_id_reused_right_after_an_abort_gets_only_its_own_outputs(tiny_llama_dir: Path) -> None:
+    """Issue 24, item 20 (c): outputs of a step that ran before an abort reached the engine thread were delivered by
+    request id, so a new request reusing the id at once got the old request's tokens. Ids are now unique per life
+    inside the engine; each stream sees its own request's outputs only."""
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
+    await eng.start()
+    try:
+        for attempt in range(3):
+            old, new = toks(7, 10 + attempt), toks(9, 20 + attempt)
+            first = eng.add(old, SamplingParams(max_tokens=40, ignore_eos=True), request_id="same")
+            await first.get()                       # it runs; the next step is already under way
+            first.abort()
+            again = eng.add(new, SamplingParams(max_tokens=3, ignore_eos=True), request_id="same")
+            outs: list[RequestOutput] = []
+            while not again.finished:
+                outs += await again.get()
+            assert outs and all(o.request_id == "same" and o.prompt_token_ids == new for o in outs), \
+                [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
+            assert sum(len(o.outputs[0].token_ids) for o in outs) == 3
+    finally:
+        await eng.shutdown()
+
+
+async def test_the_encoding_thread_has_a_tokenizer_of_its_own(tiny_llama_dir: Path) -> None:
+    """Issue 24, item 20 (e): one tokenizer object served the service's tokenizer thread (which encodes message
+    content with special tokens split, a setting the Rust object keeps), the engine thread and the grammar thread,
+    under a rule nobody wrote down. The caller's encoding tokenizer is now a copy: encoding with it leaves the
+    engine's settings (and so its grammars' view of the vocabulary) alone, and both tokenize alike."""
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=64))
+    engine_side = eng._engine.tokenizer
+    eng.tokenizer("<|im_end|> hi", add_special_tokens=False, split_special_tokens=True)
+    assert eng.tokenizer._tokenizer.encode_special_tokens                    # the setting sticks to the object...
+    assert not engine_side._tokenizer.encode_special_tokens                  # ...that the engine does not share
+    text = "<|im_start|>user\\nhello world<|im_end|>"
+    assert eng.tokenizer.encode(text) == engine_side.encode(text) and eng.tokenizer.chat_template == \
+        engine_side.chat_template
+    await eng.start()
+    await eng.shutdown()

@@ -169,3 +169,90 @@ def test_chunked_prefill_under_python_O(tiny_llama_dir: Path) -> None:
     for r in runs:
         assert r.returncode == 0, r.stderr[-1500:]
     assert runs[0].stdout.strip().splitlines()[-1] == runs[1].stdout.strip().splitlines()[-1]
+
+
+def _run(engine: LLMEngine, max_steps: int) -> dict[str, object]:
+    """Steps until nothing is left, at most `max_steps` (a livelocked engine fails here); the final outputs."""
+    done: dict[str, object] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return done
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    raise AssertionError(f"still running after {max_steps} steps: {engine.request_ids}, {engine.stats()}")
+
+
+def test_beam_width_over_max_num_seqs_is_refused(tiny_llama_dir: Path) -> None:
+    """Issue 24, item 18 (reproduced): beams computed their step and waited for a preempted sibling that could
+    only come back through admission, capped at max_num_seqs by the very beams waiting for it: the engine spun
+    forever on one request. A width (or best_of) over max_num_seqs is refused when added."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128, max_num_seqs=2))
+    beams = SamplingParams(n=1, best_of=4, use_beam_search=True, temperature=0, max_tokens=12, ignore_eos=True)
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("wide", toks(10, 7), beams)
+    assert e.value.param == "best_of" and "max_num_seqs" in e.value.message
+    with pytest.raises(InvalidRequest):
+        engine.add_request("many", toks(10, 7), SamplingParams(n=3, max_tokens=4))
+    engine.add_request("fits", toks(10, 7), SamplingParams(n=1, best_of=2, use_beam_search=True, temperature=0,
+                                                           max_tokens=12, ignore_eos=True))
+    assert _run(engine, 200)["fits"].outputs[0].finish_reason == "length"     # type: ignore[attr-defined]
+    assert engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("batched", [512, 5])     # 5: a step computes some beams of the group, not all
+def test_a_beam_group_under_preemption_pressure_completes(tiny_llama_dir: Path, batched: int) -> None:
+    """Item 18 (and 20: a preempted beam kept its pending log-probabilities, so the search could step, and fork
+    from it, while it waited without blocks): a beam group is preempted as a unit, forgets its logits and is
+    readmitted whole, so no beam waits on a sibling that cannot come back and every beam the search steps on
+    runs with its blocks. Under pressure the search ends, with the tokens it finds alone, and frees every block."""
+    from engine.sequence import Status
+    beams = SamplingParams(n=2, best_of=4, use_beam_search=True, temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = toks(14, 9)
+    alone = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128, max_num_seqs=8))
+    alone.add_request("beam", prompt, beams)
+    expected = [o.token_ids for o in _run(alone, 400)["beam"].outputs]          # type: ignore[attr-defined]
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=32, max_num_seqs=6,
+                                    max_num_batched_tokens=batched))
+    forks, manager = engine.core.forks, engine.core.manager
+    stepped_on: list[list[tuple[Status, bool]]] = []
+    beam_step = forks.beam_step
+
+    def observed(group):  # type: ignore[no-untyped-def]
+        stepped_on.append([(s.status, s.seq_id in manager._seqs) for s in group.seqs])
+        beam_step(group)
+    forks.beam_step = observed  # type: ignore[method-assign]
+    for i in range(3):
+        engine.add_request(f"other{i}", toks(12, 20 + i), SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.add_request("beam", prompt, beams)
+    done = _run(engine, 2000)
+    assert engine.stats().preemptions_total > 0 and len(stepped_on) >= 20
+    assert all(state == (Status.RUNNING, True) for beams_then in stepped_on for state in beams_then), stepped_on
+    assert [o.token_ids for o in done["beam"].outputs] == expected            # type: ignore[attr-defined]
+    assert all(done[f"other{i}"].outputs[0].finish_reason == "length" for i in range(3))   # type: ignore[attr-defined]
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_a_preempted_beam_forgets_its_logits_and_takes_its_siblings(tiny_llama_dir: Path) -> None:
+    """Issue 24, item 20 (b): a beam preempted after computing its logits kept them, so the search could step with
+    it waiting without blocks, and fork from it (a child sharing no blocks). Preempting a beam now preempts its
+    running siblings too, each forgetting its logits; the group comes back whole and the search ends as alone."""
+    from engine.sched.scheduler import SchedulerOutput
+    from engine.sequence import Status
+    beams = SamplingParams(n=1, best_of=4, use_beam_search=True, temperature=0, max_tokens=10, ignore_eos=True)
+    alone = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128))
+    alone.add_request("beam", toks(9, 4), beams)
+    expected = _run(alone, 400)["beam"].outputs[0].token_ids                    # type: ignore[attr-defined]
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=128,
+                                    max_num_batched_tokens=2))               # two of the four beams a step
+    engine.add_request("beam", toks(9, 4), beams)
+    group = engine.core.requests["beam"]
+    while not [s for s in group.seqs if s.pending_logprobs is not None]:
+        engine.step()
+    pending = next(s for s in group.seqs if s.pending_logprobs is not None)
+    sched = engine.core.scheduler
+    sched._preempt(pending, SchedulerOutput(), set())
+    held = engine.core.manager._seqs                                           # seq id -> its blocks
+    assert all(s.status is Status.WAITING and s.pending_logprobs is None and s.seq_id not in held for s in group.seqs)
+    assert _run(engine, 400)["beam"].outputs[0].token_ids == expected          # type: ignore[attr-defined]
+    assert engine.stats().kv_blocks_used == 0

@@ -41,7 +41,8 @@ def redis() -> Iterator[RedisServer]:
 def srv(tiny_llama_dir: Path, redis: RedisServer) -> Iterator[ServerProcess]:
     args = ["--model", str(tiny_llama_dir), "--max-model-len", "256", "--num-kv-blocks", "96", "--block-size", "8",
             "--redis-url", redis.url, "--keepalive-timeout", "1", "--body-timeout", "1", "--max-num-seqs", "32",
-            "--grammar-compile-timeout", str(GRAMMAR_TIMEOUT_S), "--grammar-cache-size", "4"]
+            "--grammar-compile-timeout", str(GRAMMAR_TIMEOUT_S), "--grammar-cache-size", "4",
+            "--max-echo-logprobs", "600000"]
     with ServerProcess(args).start() as s:
         yield s
 
@@ -655,4 +656,119 @@ def test_large_tokenize_bodies_do_not_hold_up_a_small_request(srv: ServerProcess
                 async with s.post(srv.url + path, json=body) as r:
                     err = (await r.json())["error"]
                     assert r.status == 400 and err["param"] == param and "--max-prompt-chars" in err["message"], err
+
+
+def _health_stall(srv: ServerProcess, during: Callable[[], None]) -> float:
+    """The longest /health took while `during` ran (polled back to back from another thread)."""
+    import threading
+    worst, done = [0.0], threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            t0 = time.monotonic()
+            assert http("GET", f"{srv.url}/health", timeout=60)[0] == 200
+            worst[0] = max(worst[0], time.monotonic() - t0)
+            time.sleep(0.01)
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        during()
+    finally:
+        done.set()
+        poller.join()
+    return worst[0]
+
+
+def test_echo_logprobs_are_capped_and_formatted_off_the_loop(srv: ServerProcess) -> None:
+    """Issue 24, item 12: echo + logprobs returned prompt tokens x alternatives without a cap (one 2 MB body:
+    ~1.7 GiB held, the event loop stalled 17 s formatting them). Past --max-echo-logprobs (prompt tokens x n x
+    (logprobs + 1), 600,000 here) a 400 names the field; a legal one (302,400 entries: formatted on the loop, and
+    with the collector walking every object loading left, it stalled /health for 0.5 s) leaves /health answering."""
+    prompt = [(7 * i) % 300 + 3 for i in range(240)]
+
+    def run() -> None:
+        status, err = http("POST", f"{srv.url}/v1/completions", {"prompt": [prompt] * 128, "echo": True,
+                                                                  "logprobs": 20, "max_tokens": 0})
+        assert status == 400 and err["error"]["param"] == "logprobs", err
+        assert "max-echo-logprobs" in err["error"]["message"] and "645120" in err["error"]["message"]
+
+        answer: list[requests.Response] = []         # parsed once the polling stopped (the client's own GIL)
+        body = {"prompt": [prompt] * 60, "echo": True, "logprobs": 20, "max_tokens": 0}
+        stall = _health_stall(srv, lambda: answer.append(requests.post(f"{srv.url}/v1/completions", json=body,
+                                                                        timeout=300)))
+        assert answer[0].status_code == 200, answer[0].text[:300]
+        out = answer[0].json()
+        assert len(out["choices"]) == 60 and len(out["choices"][59]["logprobs"]["tokens"]) == 240
+        assert stall < 0.25, stall
+    attack(srv, run)
+
+
+def test_beam_width_over_max_num_seqs(srv: ServerProcess) -> None:
+    """Issue 24, item 18: one HTTP request with more beams than --max-num-seqs (32 here) livelocked the engine for
+    everyone. best_of, n and beam widths over it get a 400 naming the field; one at the cap completes."""
+    def run() -> None:
+        for body, param in (({"best_of": 33, "use_beam_search": True, "temperature": 0}, "best_of"),
+                            ({"n": 33}, "n"), ({"n": 2, "best_of": 40}, "best_of")):
+            status, err = http("POST", f"{srv.url}/v1/completions", {"prompt": "wide", "max_tokens": 4, **body})
+            assert status == 400 and err["error"]["param"] == param and "max_num_seqs" in err["error"]["message"], err
+        status, out = http("POST", f"{srv.url}/v1/completions", {"prompt": "wide", "max_tokens": 4, "best_of": 32,
+                                                                  "use_beam_search": True, "temperature": 0})
+        assert status == 200 and out["choices"][0]["finish_reason"] in ("length", "stop"), out
+    attack(srv, run)
+
+
+def test_a_user_key_reads_no_admin_only_prefix(tiny_llama_dir: Path) -> None:
+    """Issue 24, item 4: a user key read an admin-only prefix source five ways (render then /detokenize, echo,
+    return_token_ids, prompt logprobs with max_tokens 0, and the block hashes with the fingerprint as an
+    offline oracle). Every one of them, as the attack scripts sent them, shows no word of it now.
+    (tests/service/middleware/test_auth.py checks each path's tokens one by one.)"""
+    secret = "The vault code is pomegranate-tangerine-nectarine. Never tell it to anyone at all. " * 2
+    words = ("pomegranate", "tangerine", "nectarine", "code is")
+    args = ["--model", str(tiny_llama_dir), "--max-model-len", "256", "--num-kv-blocks", "96", "--block-size", "8",
+            "--api-key", "u1", "--admin-key", "a1"]
+    user, admin = {"Authorization": "Bearer u1"}, {"Authorization": "Bearer a1"}
+    with ServerProcess(args).start() as s:
+        assert http("POST", f"{s.url}/v1/prefixes", {"name": "vault", "prompt": secret}, headers=admin)[0] == 201
+        answers = []
+        for path, body in (("/v1/completions/render", {"prompt": " hi", "prefix": "vault"}),
+                           ("/v1/completions", {"prompt": " hi", "prefix": "vault", "echo": True, "max_tokens": 1}),
+                           ("/v1/completions", {"prompt": " hi", "prefix": "vault", "return_token_ids": True,
+                                                "max_tokens": 1}),
+                           ("/v1/completions", {"prompt": " hi", "prefix": "vault", "echo": True, "logprobs": 5,
+                                                "max_tokens": 0})):
+            status, out = http("POST", s.url + path, body, headers=user)
+            assert status == 200, (path, out)
+            answers.append(out)
+        ids = [t for t in answers[0][0]["token_ids"] + answers[2]["prompt_token_ids"][0]]
+        answers.append(http("POST", f"{s.url}/detokenize", {"tokens": ids}, headers=user)[1])
+        answers += [http("GET", f"{s.url}{p}", headers=user)[1] for p in ("/v1/prefixes", "/v1/prefixes/vault")]
+        seen = json.dumps(answers)
+        assert not any(w in seen for w in words), seen[:2000]
+        listing = answers[-2]["data"][0]
+        assert listing["block_hashes"] is None and listing["fingerprint"] is None and listing["num_tokens"] > 16
+        status, out = http("POST", f"{s.url}/v1/completions", {"prompt": " hi", "prefix": "vault", "echo": True,
+                                                                "max_tokens": 1}, headers=admin)
+        assert status == 200 and "pomegranate" in out["choices"][0]["text"]      # the admin reads it whole
+
+
+def test_zero_completion_tokens_everywhere(srv: ServerProcess) -> None:
+    """Issue 24, item 20 (f): chat `max_completion_tokens: 0` slipped past the check `max_tokens` had. Already
+    refused since the one-pipeline change (49753e2); kept here against a regression, on every surface."""
+    async def run() -> None:
+        m = [{"role": "user", "content": "hi"}]
+        cases = [("/v1/chat/completions", {"messages": m, "max_completion_tokens": 0}, "max_completion_tokens"),
+                 ("/v1/chat/completions", {"messages": m, "max_tokens": 5, "max_completion_tokens": 0},
+                  "max_completion_tokens"),
+                 ("/v1/chat/completions", {"messages": m, "max_completion_tokens": 0, "stream": True},
+                  "max_completion_tokens"),
+                 ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens")]
+        async with _session() as s:
+            for path, body, param in cases:
+                async with s.post(srv.url + path, json=body) as r:
+                    err = await r.json()
+                    assert r.status == 400 and err["error"]["param"] == param, (path, body, err)
+            async with s.ws_connect(srv.url.replace("http", "ws") + "/v1/ws") as ws:
+                await ws.send_json({"type": "generate", "id": 1, "messages": m, "max_completion_tokens": 0})
+                frame = await ws.receive_json(timeout=30)
+                assert frame["type"] == "error" and frame["error"]["param"] == "max_completion_tokens", frame
     attack(srv, lambda: asyncio.run(run()))

@@ -67,3 +67,25 @@ def test_bfloat16_cache_and_weights(tiny_llama_dir: Path) -> None:
     fp32 = LLM(str(tiny_llama_dir), block_size=8, num_kv_blocks=64)
     first = fp32.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0]
     assert out.outputs[0].token_ids[0] == first.outputs[0].token_ids[0]   # logits far apart (init range 0.2)
+
+
+def test_the_fingerprint_covers_the_weights(tiny_llama_dir: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24, item 20 (d): a checkpoint directory's fingerprint hashed its config and tokenizer only, so two
+    fine-tunes of one base shared prefix-cache hashes and one Redis namespace. The weights' digest is in it now:
+    other weights, another fingerprint; the same files elsewhere, the same one; the digest is cached."""
+    from safetensors.torch import load_file, save_file
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    same = shutil.copytree(tiny_llama_dir, tmp_path / "same")
+    tuned = shutil.copytree(tiny_llama_dir, tmp_path / "tuned")
+    (weights,) = sorted(tuned.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1e-3                        # a fine-tune: same shapes, other values
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    prints = {d.name: load_model(str(d)).fingerprint for d in (tiny_llama_dir, same, tuned)}
+    assert prints[tiny_llama_dir.name] == prints["same"] != prints["tuned"], prints
+    from engine.models.loader import weights_digest
+    cache = json.loads((tmp_path / "cache" / "prefixserve" / "weights-digests.json").read_text())
+    assert str(weights.resolve()) in cache
+    assert weights_digest(tuned) == weights_digest(tuned, tmp_path / "elsewhere")   # cached or not: one digest

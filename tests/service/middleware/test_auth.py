@@ -220,3 +220,129 @@ def test_a_user_key_does_not_read_the_hosts_layout_or_load(srv: ServerThread) ->
         assert socket.gethostname() not in json.dumps(user)
     assert requests.get(srv.url + "/get_load", headers=bearer(USER), timeout=10).status_code == 403
     assert requests.get(srv.url + "/get_load", headers=bearer(ADMIN), timeout=10).json()["load"] >= 0
+
+
+# -- issue 24, item 4: a prefix's source stays unreadable to a user key on every path that returns tokens ----------
+SECRET = "Codeword: kumquat zeppelin marmalade quasar. Never reveal the codeword to anyone who asks for it. " * 2
+SECRET_WORDS = ("kumquat", "zeppelin", "marmalade", "quasar", "Codeword", "reveal")
+OWN = " 42?"
+
+
+@pytest.fixture(scope="module")
+def secret(srv: ServerThread) -> Iterator[dict[str, list[int]]]:
+    """Two admin-only prefixes (one a prompt, one a system message) and, as the admin sees them, the tokens of
+    a completion and of a chat request naming them: {"prompt": ids, "chat": ids, "prompt_head": n, ...}."""
+    admin = bearer(ADMIN)
+    for body in ({"name": "secret-p", "prompt": SECRET},
+                 {"name": "secret-m", "messages": [{"role": "system", "content": SECRET}]}):
+        assert requests.post(f"{srv.url}/v1/prefixes", json=body, headers=admin, timeout=30).status_code == 201
+    heads = {p["name"]: p["num_tokens"] for p in
+             requests.get(f"{srv.url}/v1/prefixes", headers=admin, timeout=10).json()["data"]}
+    (full,) = requests.post(f"{srv.url}/v1/completions/render", headers=admin, timeout=30,
+                            json={"prompt": OWN, "prefix": "secret-p"}).json()
+    chat = requests.post(f"{srv.url}/v1/chat/completions/render", headers=admin, timeout=30,
+                         json={"messages": [{"role": "user", "content": OWN}], "prefix": "secret-m"}).json()
+    yield {"prompt": full["token_ids"], "prompt_head": [heads["secret-p"]],
+           "chat": chat["token_ids"], "chat_head": [heads["secret-m"]]}
+    for name in ("secret-p", "secret-m"):
+        requests.delete(f"{srv.url}/v1/prefixes/{name}", headers=admin, timeout=10)
+
+
+def assert_hidden(srv: ServerThread, ids: list[int], full: list[int], head: int, texts: tuple[str, ...] = ()) -> None:
+    """`ids` are the caller's own tokens only: the part of `full` after the prefix's `head` tokens; none of the
+    tokens only the prefix holds is among them, and neither they (detokenized) nor `texts` hold its words."""
+    assert head > 16 and ids == full[head:], (head, ids, full)
+    only_secret = set(full[:head]) - set(full[head:])
+    assert only_secret and not only_secret & set(ids)
+    shown = requests.post(f"{srv.url}/detokenize", json={"tokens": ids}, headers=bearer(USER), timeout=10).json()
+    for text in (shown["prompt"], *texts):
+        assert not any(w in text for w in SECRET_WORDS), text
+
+
+def test_render_hides_a_prefix_from_users(srv: ServerThread, secret: dict[str, list[int]]) -> None:
+    """Item 4: /v1/*/render with a `prefix`, then /detokenize, read an admin-only source."""
+    user = bearer(USER)
+    (one,) = requests.post(f"{srv.url}/v1/completions/render", headers=user, timeout=30,
+                           json={"prompt": OWN, "prefix": "secret-p"}).json()
+    assert one["num_hidden_prefix_tokens"] == secret["prompt_head"][0]
+    assert_hidden(srv, one["token_ids"], secret["prompt"], secret["prompt_head"][0])
+    chat = requests.post(f"{srv.url}/v1/chat/completions/render", headers=user, timeout=30,
+                         json={"messages": [{"role": "user", "content": OWN}], "prefix": "secret-m"}).json()
+    assert_hidden(srv, chat["token_ids"], secret["chat"], secret["chat_head"][0])
+    shown = requests.post(f"{srv.url}/detokenize", json={"tokens": secret["chat"]}, headers=bearer(ADMIN),
+                          timeout=10).json()["prompt"]
+    assert "kumquat" in shown          # the admin's render has the prefix whole
+
+
+def test_echo_hides_a_prefix_from_users(srv: ServerThread, secret: dict[str, list[int]]) -> None:
+    """Item 4: completions with `prefix` and `echo` echoed the prefix's text."""
+    body = {"prompt": OWN, "prefix": "secret-p", "echo": True, "max_tokens": 2, "return_token_ids": True}
+    resp = requests.post(f"{srv.url}/v1/completions", headers=bearer(USER), json=body, timeout=30).json()
+    text = resp["choices"][0]["text"]
+    assert text.startswith(OWN)
+    assert_hidden(srv, resp["choices"][0]["token_ids"][:-2], secret["prompt"], secret["prompt_head"][0], (text,))
+    streamed = requests.post(f"{srv.url}/v1/completions", headers=bearer(USER), json={**body, "stream": True},
+                             timeout=30).text
+    assert "data: [DONE]" in streamed and not any(w in streamed for w in SECRET_WORDS)
+    admin = requests.post(f"{srv.url}/v1/completions", headers=bearer(ADMIN), json=body, timeout=30).json()
+    assert "kumquat" in admin["choices"][0]["text"]
+
+
+def test_return_token_ids_hide_a_prefix_from_users(srv: ServerThread, secret: dict[str, list[int]]) -> None:
+    """Item 4: `return_token_ids` answered the prefix's token ids in `prompt_token_ids`."""
+    resp = requests.post(f"{srv.url}/v1/completions", headers=bearer(USER), timeout=30, json={
+        "prompt": OWN, "prefix": "secret-p", "max_tokens": 2, "return_token_ids": True}).json()
+    (ids,) = resp["prompt_token_ids"]
+    assert_hidden(srv, ids, secret["prompt"], secret["prompt_head"][0], (json.dumps(resp),))
+    chat = requests.post(f"{srv.url}/v1/chat/completions", headers=bearer(USER), timeout=30, json={
+        "messages": [{"role": "user", "content": OWN}], "prefix": "secret-m", "max_tokens": 2,
+        "return_token_ids": True}).json()
+    assert_hidden(srv, chat["prompt_token_ids"], secret["chat"], secret["chat_head"][0])
+    admin = requests.post(f"{srv.url}/v1/completions", headers=bearer(ADMIN), timeout=30, json={
+        "prompt": OWN, "prefix": "secret-p", "max_tokens": 2, "return_token_ids": True}).json()
+    assert admin["prompt_token_ids"] == [secret["prompt"]]
+
+
+def test_prompt_logprobs_hide_a_prefix_from_users(srv: ServerThread, secret: dict[str, list[int]]) -> None:
+    """Item 4: prompt log-probabilities (`echo`, `logprobs`, `max_tokens: 0`) listed every prefix token."""
+    body = {"prompt": OWN, "prefix": "secret-p", "echo": True, "logprobs": 3, "max_tokens": 0}
+    resp = requests.post(f"{srv.url}/v1/completions", headers=bearer(USER), json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    lp = resp.json()["choices"][0]["logprobs"]
+    head = secret["prompt_head"][0]
+    assert len(lp["tokens"]) == len(secret["prompt"]) - head
+    assert lp["token_logprobs"][0] is not None           # the first own token is predicted (by the prefix)
+    assert "".join(lp["tokens"]) == OWN and not any(w in json.dumps(resp.json()) for w in SECRET_WORDS)
+    ws_frames = asyncio.run(_ws_frames(srv, USER, {**body, "type": "generate", "id": 1}))
+    ids = [t for f in ws_frames if f["type"] == "delta" for t in f["token_ids"]]
+    assert_hidden(srv, ids, secret["prompt"], head, (json.dumps(ws_frames),))
+    admin = requests.post(f"{srv.url}/v1/completions", headers=bearer(ADMIN), json=body, timeout=30).json()
+    assert len(admin["choices"][0]["logprobs"]["tokens"]) == len(secret["prompt"])
+
+
+async def _ws_frames(srv: ServerThread, key: str, frame: dict) -> list[dict]:
+    out: list[dict] = []
+    async with aiohttp.ClientSession() as s, s.ws_connect(srv.url.replace("http", "ws") + "/v1/ws",
+                                                          headers=bearer(key)) as ws:
+        await ws.send_json(frame)
+        while not out or out[-1]["type"] not in ("done", "error"):
+            out.append(await asyncio.wait_for(ws.receive_json(), 30))
+    assert out[-1]["type"] == "done", out[-1]
+    return out
+
+
+def test_block_hashes_and_fingerprint_are_for_admins(srv: ServerThread, secret: dict[str, list[int]]) -> None:
+    """Item 4: a prefix's block hashes with the fingerprint seeding them let a user test guessed 16-token blocks
+    offline. Users see neither (the listing, one prefix, /get_server_info); admins do."""
+    for path in ("/v1/prefixes", "/v1/prefixes/secret-p"):
+        user = requests.get(srv.url + path, headers=bearer(USER), timeout=10).json()
+        admin = requests.get(srv.url + path, headers=bearer(ADMIN), timeout=10).json()
+        for entry in user.get("data", [user]):
+            assert entry["block_hashes"] is None and entry["fingerprint"] is None and entry["num_tokens"] > 0
+        for entry in admin.get("data", [admin]):
+            assert len(entry["block_hashes"]) == entry["num_pinned_blocks"] > 0 and entry["fingerprint"]
+        fingerprint = admin.get("data", [admin])[0]["fingerprint"]
+        assert fingerprint not in json.dumps(user)
+    assert requests.get(f"{srv.url}/get_server_info", headers=bearer(USER), timeout=10).json()["fingerprint"] is None
+    info = requests.get(f"{srv.url}/get_server_info", headers=bearer(ADMIN), timeout=10).json()
+    assert info["fingerprint"] == fingerprint

@@ -117,7 +117,7 @@ def test_forks_and_beams_equal_the_paged_backend(tiny_llama_dir: Path) -> None:
     outnumber max_num_seqs, so the slot table grows."""
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (13, 21)]
-    sample = SamplingParams(n=5, temperature=1.0, seed=7, max_tokens=9, ignore_eos=True)
+    sample = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=9, ignore_eos=True)
     beams = SamplingParams(n=2, best_of=4, use_beam_search=True, max_tokens=8, temperature=0, ignore_eos=True)
     results = []
     for backend in ("paged", "vattention"):
@@ -125,7 +125,7 @@ def test_forks_and_beams_equal_the_paged_backend(tiny_llama_dir: Path) -> None:
         results.append([[o.token_ids for o in out.outputs] for params in (sample, beams)
                         for out in llm.generate(prompts, params)])
         if backend == "vattention":
-            assert vattention(llm).slots.num_slots > 4          # 10 samples at once in 4 slots: it doubled
+            assert vattention(llm).slots.num_slots > 4          # 8 samples at once in 4 slots: it doubled
             assert_idle_and_accounted(llm)
     assert results[0] == results[1]
 
