@@ -1,7 +1,9 @@
 """The named-prefix domain: registered prefixes, pinned on every replica, their metadata in a store.
 
     registry.py   PrefixRegistry: pin-then-record, resync from the store, heartbeats, the local view
-                  requests resolve names in (snapshot), per-prefix counters
+                  requests resolve names in (snapshot), tenants' scopes, per-prefix counters
+    leases.py     Leases: prefixes that end after their last hit, swept on every replica; prompt_cache_key
+    local.py      what a replica holds: the engine's face (Pinner), LocalPrefix, PrefixSnapshot
     base.py       PrefixRecord, ReplicaInfo, PrefixEvent and the PrefixStore protocol
     memory.py     MemoryPrefixStore: the embedded default (one process, nothing to start)
     redis.py      RedisPrefixStore: shared by every replica (msgpack values, MULTI/EXEC, pub/sub)

@@ -13,24 +13,19 @@ reads answer from the local view and writes answer 503; when it comes back, the 
 
 Tenants: a prefix a tenant registers is its own (`owner`; its key `<owner>/<name>`), one an admin
 publishes is everyone's (key: its name). A caller resolves a name to its own prefix first, then to the
-published one of that name; it never sees another tenant's. Leases: a prefix with `ttl_seconds` ends
-`ttl_seconds` after its last hit or update (the store drops it: Redis key expiry); each replica sweeps
-its view for ended leases, re-reads them from the store (another replica's hit may have moved them) and
-unpins those that ended, so their blocks are left to the LRU. A `prompt_cache_key` is a lease of kind
-"cache_key" on the common prefix of the prompts that sent it (`lease_cache_key`).
+published one of that name; it never sees another tenant's. Leases (prefixes with a `ttl_seconds`, and
+`prompt_cache_key`s) are prefix_store/leases.py's.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import time
 import uuid
 from collections.abc import Coroutine
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from prefix_store.base import PrefixKind, PrefixRecord, PrefixStore, ReplicaInfo
 from prefix_store.errors import (
@@ -41,6 +36,8 @@ from prefix_store.errors import (
     RegistryFull,
     StoreUnavailable,
 )
+from prefix_store.leases import Leases
+from prefix_store.local import LocalPrefix, Pinner, PrefixSnapshot, salt_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,63 +47,6 @@ CLOSE_TIMEOUT_S = 5.0       # what close() waits for in-flight operations and th
 def _log_orphan(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.info("a registry operation whose caller left ended with: %s", task.exception())
-
-
-class Pinned(Protocol):
-    @property
-    def num_pinned_blocks(self) -> int: ...
-
-    @property
-    def block_hashes(self) -> list[str]: ...
-
-
-class Load(Protocol):
-    @property
-    def requests_running(self) -> int: ...
-
-    @property
-    def requests_waiting(self) -> int: ...
-
-
-class Pinner(Protocol):
-    """What the registry needs of the engine (the AsyncEngine is one): pins, and what it serves."""
-
-    fingerprint: str
-    tokenizer_version: str
-    block_size: int
-    max_model_len: int
-    model_name: str
-
-    async def pin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = ()) -> Pinned: ...
-
-    async def unpin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = ()) -> int: ...
-
-    def stats(self) -> Load: ...
-
-
-@dataclass(frozen=True)
-class PrefixSnapshot:
-    """What a request needs of a registered prefix, copied out of the local view (on the event loop) for
-    the tokenizer thread: immutable, so the registry may change meanwhile."""
-
-    name: str
-    token_ids: tuple[int, ...]
-    messages: tuple[dict[str, Any], ...] | None      # its source, when it was registered with messages
-    key: str = ""                                    # PrefixRecord.key: what its use is counted under
-    salt: str | None = None                          # its blocks' cache salt (PrefixRecord.salt)
-
-
-def salt_of(record: PrefixRecord) -> tuple[tuple[int, str], ...]:
-    """The engine's cache salt (block_pool.CacheSalt) a record's blocks are hashed with."""
-    return ((0, record.salt),) if record.salt else ()
-
-
-@dataclass
-class LocalPrefix:
-    record: PrefixRecord
-    pinned_blocks: int = 0
-    hit_requests: int = 0
-    tokens_saved: int = 0
 
 
 class PrefixRegistry:
@@ -121,12 +61,11 @@ class PrefixRegistry:
         self.heartbeat_interval = heartbeat_interval
         self.max_prefixes = max_prefixes
         self.max_prefixes_per_tenant = max_prefixes_per_tenant
-        self.lease_sweep_interval = lease_sweep_interval
-        self._spawned: set[asyncio.Task[Any]] = set()   # lease refreshes written in the background
+        self.leases = Leases(self, lease_sweep_interval)
         self.local: dict[str, LocalPrefix] = {}     # by PrefixRecord.key
         self.ready = asyncio.Event()                # set once the first resync has warmed every prefix
         self.store_ok = True
-        self._lock = asyncio.Lock()                 # one registry mutation at a time (pins are not atomic)
+        self.lock = asyncio.Lock()                 # one registry mutation at a time (pins are not atomic)
         self._tasks: list[asyncio.Task] = []
         self._ops: set[asyncio.Task] = set()        # registrations and deletions in flight (shielded)
         self._closing = False
@@ -135,7 +74,7 @@ class PrefixRegistry:
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._follow_events(), name="prefix-events"),
                        asyncio.create_task(self._heartbeat(), name="prefix-heartbeat"),
-                       asyncio.create_task(self._sweep_leases(), name="prefix-leases")]
+                       asyncio.create_task(self.leases.sweep(), name="prefix-leases")]
         # The events stream yields "resync" once subscribed; warm-up happens there. If the store is
         # down, the first resync fails fast and the replica is ready with what it has (nothing).
 
@@ -150,7 +89,7 @@ class PrefixRegistry:
         can go on looping; the events stream and the heartbeat stop on their own once the store is
         closed and `_closing` is set, whatever became of the cancellation."""
         self._closing = True
-        tasks = [*self._ops, *self._tasks, *self._spawned]
+        tasks = [*self._ops, *self._tasks, *self.leases.spawned]
         for t in tasks:
             t.cancel()
         try:
@@ -209,11 +148,11 @@ class PrefixRegistry:
             self.store_ok = False
             return
         self.store_ok = True
-        async with self._lock:
+        async with self.lock:
             wanted = {r.key: r for r in records}
             for name in [n for n in self.local if n not in wanted or
                          not wanted[n].same_content(self.local[n].record)]:
-                await self._unpin_local(name)
+                await self.unpin_local(name)
             for name, record in wanted.items():
                 if self._closing:
                     return
@@ -221,9 +160,9 @@ class PrefixRegistry:
                     await self._pin_local(record)
 
     async def _apply(self, kind: str, name: str) -> None:
-        async with self._lock:
+        async with self.lock:
             if kind == "deleted":
-                await self._unpin_local(name)
+                await self.unpin_local(name)
                 return
             try:
                 record = await self.store.get(self.fingerprint, name)
@@ -231,7 +170,7 @@ class PrefixRegistry:
                 return
             entry = self.local.get(name)
             if record is None or entry is None or not entry.record.same_content(record):
-                await self._unpin_local(name)           # gone, or replaced by other content
+                await self.unpin_local(name)           # gone, or replaced by other content
                 if record is not None:
                     await self._pin_local(record)
             else:
@@ -247,7 +186,7 @@ class PrefixRegistry:
             return
         self.local[record.key] = LocalPrefix(record, pinned.num_pinned_blocks)
 
-    async def _unpin_local(self, key: str) -> None:
+    async def unpin_local(self, key: str) -> None:
         entry = self.local.pop(key, None)
         if entry is not None:
             await self.engine.unpin_prefix(entry.record.token_ids, salt_of(entry.record))
@@ -273,16 +212,16 @@ class PrefixRegistry:
                               tokenizer_version=self.engine.tokenizer_version, description=description,
                               owner=owner, salt=salt, kind=kind, ttl_seconds=ttl_seconds,
                               expires_at=None if ttl_seconds is None else time.time() + ttl_seconds)
-        return await self._shielded(self._register(record))
+        return await self.shielded(self._register(record))
 
     async def _register(self, record: PrefixRecord) -> tuple[PrefixRecord, bool]:
         key = record.key
-        async with self._lock:
+        async with self.lock:
             existing = await self.store.get(self.fingerprint, key)
             if existing is not None and not existing.same_content(record):
                 raise PrefixConflict(existing)
             if existing is None and key not in self.local:
-                self._check_room(record.owner)
+                self.check_room(record.owner)
             entry = self.local.get(key)
             stale = entry is not None and not entry.record.same_content(record)   # a view the store no longer has
             pinned = None
@@ -297,13 +236,13 @@ class PrefixRegistry:
                 raise
             if pinned is not None:
                 if stale:
-                    await self._unpin_local(key)
+                    await self.unpin_local(key)
                 self.local[key] = LocalPrefix(stored, pinned.num_pinned_blocks)
             else:
                 self.local[key].record = stored
             return stored, created
 
-    def _check_room(self, owner: str | None) -> None:
+    def check_room(self, owner: str | None) -> None:
         """RegistryFull when the server, or this tenant, keeps as many prefixes as it may (leases count)."""
         if len(self.local) >= self.max_prefixes:
             raise RegistryFull(f"{len(self.local)} prefixes are registered, the most this server keeps "
@@ -351,20 +290,20 @@ class PrefixRegistry:
             keys = self._keys(name, owner, tenant)
             for key in keys if admin else keys[:1] if owner is not None else []:
                 with contextlib.suppress(PrefixNotFound):
-                    return await self._shielded(self._delete(key))
+                    return await self.shielded(self._delete(key))
             raise
         self._may_change(record, owner, admin)
-        await self._shielded(self._delete(record.key))
+        await self.shielded(self._delete(record.key))
 
     async def _delete(self, key: str) -> None:
-        async with self._lock:
+        async with self.lock:
             deleted = await self.store.delete(self.fingerprint, key, origin=self.replica_id)
             present = key in self.local
-            await self._unpin_local(key)
+            await self.unpin_local(key)
         if not deleted and not present:
             raise PrefixNotFound(f"prefix {key.rsplit('/', 1)[-1]!r} is not registered", param="name")
 
-    async def _shielded(self, coro: Coroutine[Any, Any, T]) -> T:
+    async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs `coro` to its end even if the caller is cancelled (its outcome is then only logged); only
         close() cancels it. Refused with StoreUnavailable once the registry is closing."""
         if self._closing:
@@ -387,7 +326,7 @@ class PrefixRegistry:
             record = dataclasses.replace(record, ttl_seconds=ttl, expires_at=None if ttl is None else time.time() + ttl)
         if "description" in changes:
             record = dataclasses.replace(record, description=changes["description"])
-        async with self._lock:
+        async with self.lock:
             if not await self.store.update(record, origin=self.replica_id):
                 raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
             entry = self.local.get(record.key)
@@ -421,101 +360,8 @@ class PrefixRegistry:
         entry.hit_requests += hit
         entry.tokens_saved += saved
         if hit:
-            self._refresh(entry)
+            self.leases.refresh(entry)
         return hit, saved
-
-    # -- leases -------------------------------------------------------------------------------
-    def _refresh(self, entry: LocalPrefix) -> None:
-        """Moves a lease's end to now + ttl. The store is written at most once per tenth of the lease, in
-        the background: a hit never waits for Redis."""
-        record, ttl = entry.record, entry.record.ttl_seconds
-        if ttl is None:
-            return
-        end = time.time() + ttl
-        if record.expires_at is not None and end - record.expires_at < ttl / 10:
-            return
-        entry.record = dataclasses.replace(record, expires_at=end)
-        self._background(self.store.update(entry.record, origin=self.replica_id))
-
-    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.create_task(coro)
-        self._spawned.add(task)
-        task.add_done_callback(self._spawned.discard)
-        task.add_done_callback(_log_orphan)
-
-    async def _sweep_leases(self) -> None:
-        while True:
-            await asyncio.sleep(self.lease_sweep_interval)
-            now = time.time()
-            for key in [k for k, e in self.local.items() if e.record.expired(now)]:
-                try:
-                    await self._expire(key)
-                except Exception:           # never let one lease stop the sweep
-                    log.exception("expiring prefix %r failed", key)
-
-    async def _expire(self, key: str) -> None:
-        """A lease ended in this replica's view: unless the store has it later (another replica's hit),
-        unpin it here and drop it from the store (its index; the others unpin on the announcement)."""
-        async with self._lock:
-            try:
-                record = await self.store.get(self.fingerprint, key)
-            except StoreUnavailable:
-                record = None               # the store is down: our view's lease ended all the same
-            entry = self.local.get(key)
-            if entry is None:
-                return
-            if record is not None and record.same_content(entry.record) and not record.expired(time.time()):
-                entry.record = record
-                return
-            await self._unpin_local(key)
-            with contextlib.suppress(StoreUnavailable):
-                await self.store.delete(self.fingerprint, key, origin=self.replica_id)
-        log.info("prefix %r: its lease ended, unpinned", key)
-
-    async def lease_cache_key(self, owner: str | None, salt: str | None, cache_key: str, token_ids: list[int],
-                              ttl_seconds: float) -> None:
-        """A request with `prompt_cache_key` ended: keep the common prefix of the prompts that sent this key
-        pinned (its full blocks), as a lease of `ttl_seconds`. The first prompt pins its own full blocks;
-        a later one that shares fewer narrows the lease to what they share (one that shares no block
-        replaces it); one that shares it all moves the lease's end. Raises what registering raises."""
-        b = self.engine.block_size
-        usable = list(token_ids[:(len(token_ids) - 1) // b * b])     # the blocks a later prompt can hit
-        name = "pck-" + hashlib.sha256(cache_key.encode()).hexdigest()[:32]
-        key = name if owner is None else f"{owner}/{name}"
-        entry = self.local.get(key)
-        tokens = usable
-        if entry is not None:
-            old = entry.record.token_ids
-            common = next((i for i, (x, y) in enumerate(zip(old, usable)) if x != y), min(len(old), len(usable)))
-            common = common // b * b
-            if common == len(old):
-                self._refresh(entry)
-                return
-            tokens = usable[:common] if common >= b else usable
-        if len(tokens) < b:
-            return
-        record = PrefixRecord(name=name, fingerprint=self.fingerprint, token_ids=tokens,
-                              source={"token_ids": tokens}, tokenizer_version=self.engine.tokenizer_version,
-                              owner=owner, salt=salt, kind="cache_key", ttl_seconds=ttl_seconds,
-                              expires_at=time.time() + ttl_seconds)
-        await self._shielded(self._replace(record))
-
-    async def _replace(self, record: PrefixRecord) -> None:
-        """Pins `record`, stores it over whatever its key held, then unpins what that was."""
-        async with self._lock:
-            key = record.key
-            if key not in self.local:
-                self._check_room(record.owner)
-            pinned = await self.engine.pin_prefix(record.token_ids, salt_of(record))
-            record.block_hashes = pinned.block_hashes
-            try:
-                if not await self.store.update(record, origin=self.replica_id):
-                    await self.store.put(record, origin=self.replica_id)
-            except BaseException:
-                await self.engine.unpin_prefix(record.token_ids, salt_of(record))
-                raise
-            await self._unpin_local(key)
-            self.local[key] = LocalPrefix(record, pinned.num_pinned_blocks)
 
     # -- reading ------------------------------------------------------------------------------
     def describe(self, entry: LocalPrefix | None, record: PrefixRecord, loaded: bool) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from prefix_store.registry import PrefixSnapshot
+from prefix_store.local import PrefixSnapshot
 
 ANONYMOUS = "anonymous."        # callers without a key where none is needed (no group name ends with ".")
 

@@ -20,7 +20,7 @@ the router's render all take the same stages, in this order, each stage in one m
 (*) a body of --large-body-bytes or more: the large bodies' tokenizer thread (service/tokenizer_threads.py).
 
 When a request with `prompt_cache_key` ends, its prompt's common prefix with the key's earlier prompts is
-leased (PrefixRegistry.lease_cache_key): a whole answer waits for the lease (so `max_tokens: 0` warms the
+leased (prefix_store/leases.py): a whole answer waits for the lease (so `max_tokens: 0` warms the
 cache and says so), a stream does not.
 
 A surface hands the pipeline only its shaping (a Shaper: the id/object head, the chunks of one delta,
@@ -45,7 +45,8 @@ from aiohttp import web
 from engine.errors import EngineError
 from engine.sequence import SamplingParams
 from prefix_store.errors import PrefixNotFound, RegistryError
-from prefix_store.registry import PrefixRegistry, PrefixSnapshot
+from prefix_store.local import PrefixSnapshot
+from prefix_store.registry import PrefixRegistry
 from service.errors import ApiError, invalid
 from service.middleware.access_log import record_usage
 from service.middleware.metrics import METRICS, Metrics
@@ -226,7 +227,7 @@ async def _lease(registry: PrefixRegistry, prepared: Prepared, key: str, ttl: fl
     """Best effort: a lease the caps refuse (pinned blocks, prefixes per tenant) leaves the cache as it is."""
     caller = prepared.caller
     try:
-        await registry.lease_cache_key(caller.owner, caller.salt(prepared.req.cache_salt), key,
+        await registry.leases.cache_key(caller.owner, caller.salt(prepared.req.cache_salt), key,
                                        prepared.prompts[0], ttl)
     except (EngineError, RegistryError) as exc:
         log.info("prompt_cache_key lease not kept: %s", exc)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefix_store.registry import PrefixSnapshot
+from prefix_store.local import PrefixSnapshot
 from service.errors import ApiError, invalid
 from service.openai.params import Parsed
 from service.openai.schema import ChatCompletionRequest, ChatMessage, CompletionRequest

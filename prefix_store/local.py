@@ -1,0 +1,65 @@
+"""What a replica holds of the prefix registry: the engine's face it pins through (`Pinner`), its local view's
+entries (`LocalPrefix`) and what a request copies out of them (`PrefixSnapshot`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from prefix_store.base import PrefixRecord
+
+
+class Pinned(Protocol):
+    @property
+    def num_pinned_blocks(self) -> int: ...
+
+    @property
+    def block_hashes(self) -> list[str]: ...
+
+
+class Load(Protocol):
+    @property
+    def requests_running(self) -> int: ...
+
+    @property
+    def requests_waiting(self) -> int: ...
+
+
+class Pinner(Protocol):
+    """What the registry needs of the engine (the AsyncEngine is one): pins, and what it serves."""
+
+    fingerprint: str
+    tokenizer_version: str
+    block_size: int
+    max_model_len: int
+    model_name: str
+
+    async def pin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = ()) -> Pinned: ...
+
+    async def unpin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = ()) -> int: ...
+
+    def stats(self) -> Load: ...
+
+
+@dataclass(frozen=True)
+class PrefixSnapshot:
+    """What a request needs of a registered prefix, copied out of the local view (on the event loop) for
+    the tokenizer thread: immutable, so the registry may change meanwhile."""
+
+    name: str
+    token_ids: tuple[int, ...]
+    messages: tuple[dict[str, Any], ...] | None      # its source, when it was registered with messages
+    key: str = ""                                    # PrefixRecord.key: what its use is counted under
+    salt: str | None = None                          # its blocks' cache salt (PrefixRecord.salt)
+
+
+def salt_of(record: PrefixRecord) -> tuple[tuple[int, str], ...]:
+    """The engine's cache salt (block_pool.CacheSalt) a record's blocks are hashed with."""
+    return ((0, record.salt),) if record.salt else ()
+
+
+@dataclass
+class LocalPrefix:
+    record: PrefixRecord
+    pinned_blocks: int = 0
+    hit_requests: int = 0
+    tokens_saved: int = 0
