@@ -131,9 +131,12 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 def _generate_request(request_id: str, token_ids: list[int], req: GenerationRequest, model: str) -> dict[str, Any]:
-    """vLLM's GenerateRequest shape (token in), with this engine's own sampling parameters."""
+    """vLLM's GenerateRequest shape (token in), with this engine's own sampling parameters (less the cache
+    salt: the server's own, derived from the caller's tenant)."""
+    params = dataclasses.asdict(req.params)
+    del params["cache_salt"]
     return {"request_id": request_id, "token_ids": token_ids, "model": model, "stream": req.stream,
-            "sampling_params": dataclasses.asdict(req.params)}
+            "sampling_params": params}
 
 
 async def _render(request: web.Request, chat: bool) -> list[dict[str, Any]]:

@@ -238,3 +238,26 @@ def test_metrics_do_not_show_a_tenants_prefix_names(srv: ServerThread) -> None:
         assert "acme-secret-name" not in scrape and 'prefix="private-' in scrape
     finally:
         api(srv, "DELETE", "/v1/prefixes/acme-secret-name", A)
+
+
+def test_listings_come_in_pages_without_sources(srv: ServerThread) -> None:
+    """Issue 24, item 8: a listing is a page (limit, after: OpenAI's list shape) of what the caller may see,
+    without sources or block hashes, so no listing grows with what every tenant registered."""
+    made = [f"page{i}" for i in range(3)]
+    for name in made:
+        assert api(srv, "POST", "/v1/prefixes", B, {"name": name, "prompt": f"{name}. " + SECRET}).status_code == 201
+    try:
+        first = api(srv, "GET", "/v1/prefixes?limit=2", B).json()
+        assert [p["name"] for p in first["data"]] == made[:2] and first["has_more"] is True
+        assert all("source" not in p and "block_hashes" not in p for p in first["data"])
+        rest = api(srv, "GET", f"/v1/prefixes?limit=2&after={first['last_id']}", B).json()
+        assert [p["name"] for p in rest["data"]] == made[2:] and rest["has_more"] is False
+        for bad in ("0", "1001", "x", "²"):
+            resp = api(srv, "GET", f"/v1/prefixes?limit={bad}", B)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "limit"
+        # the render of a prompt naming its own prefix does not show the server's cache salt
+        render = api(srv, "POST", "/v1/completions/render", B, {"model": "llama", "prompt": " Hi", "prefix": "page0"})
+        assert render.status_code == 200 and "cache_salt" not in render.text and "tenant:" not in render.text
+    finally:
+        for name in made:
+            api(srv, "DELETE", f"/v1/prefixes/{name}", B)
