@@ -8,6 +8,7 @@ those); an admin sees all, and names another tenant's with `?tenant=`. Listings 
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from aiohttp import web
@@ -125,8 +126,10 @@ async def list_prefixes(request: web.Request) -> web.Response:
 
 
 def _id(entry: dict[str, Any]) -> str:
-    """A listing's cursor: unique across tenants and models."""
-    return f"{entry['fingerprint']}:{entry.get('owner') or ''}/{entry['name']}"
+    """A listing's cursor: unique across tenants and models (a digest of the model's fingerprint: the
+    fingerprint itself is for admins, it seeds the block hashes)."""
+    model = hashlib.sha256(str(entry["fingerprint"]).encode()).hexdigest()[:12]
+    return f"{model}:{entry.get('owner') or ''}/{entry['name']}"
 
 
 async def get_prefix(request: web.Request) -> web.Response:

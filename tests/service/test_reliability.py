@@ -254,7 +254,7 @@ def test_vattention_mappings_stay_bounded_and_health_truthful(tiny_llama_dir: Pa
     what cannot be mapped is refused with a 507 to its own client, nothing is left half-mapped, every later
     request of another client succeeds with the same tokens as before, and /health stays 200 (truthfully)."""
     args = ["--model", str(tiny_llama_dir), "--kv-backend", "vattention", "--max-model-len", "1024", "--block-size",
-            "8", "--num-kv-blocks", "1024", "--max-num-seqs", "16", "--kv-max-mappings", "2000"]
+            "8", "--num-kv-blocks", "1024", "--max-num-seqs", "64", "--kv-max-mappings", "2000"]
     long_prompt = [3 + (i * 7919) % 380 for i in range(1000)]
     other = {"prompt": "another client's question", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 

@@ -77,7 +77,7 @@ def test_one_tenants_prompt_is_a_miss_for_another_and_a_hit_within_it(srv: Serve
 def test_named_prefixes_belong_to_their_tenant(srv: ServerThread) -> None:
     body = {"name": "mine", "prompt": "Tenant A's own system prompt. " + SECRET}
     resp = api(srv, "POST", "/v1/prefixes", A, body)
-    assert resp.status_code == 201 and resp.json()["published"] is False and resp.json()["owner"] is None
+    assert resp.status_code == 201 and resp.json()["published"] is False and resp.json()["owner"] == "acme"
     try:
         assert "mine" in names(srv, A) and "mine" in names(srv, A2) and "mine" not in names(srv, B)
         assert api(srv, "GET", "/v1/prefixes/mine", B).status_code == 404
@@ -245,7 +245,8 @@ def test_listings_come_in_pages_without_sources(srv: ServerThread) -> None:
     without sources or block hashes, so no listing grows with what every tenant registered."""
     made = [f"page{i}" for i in range(3)]
     for name in made:
-        assert api(srv, "POST", "/v1/prefixes", B, {"name": name, "prompt": f"{name}. " + SECRET}).status_code == 201
+        resp = api(srv, "POST", "/v1/prefixes", B, {"name": name, "prompt": f"{name}. " + SECRET})
+        assert resp.status_code == 201, (resp.text, names(srv, B))
     try:
         first = api(srv, "GET", "/v1/prefixes?limit=2", B).json()
         assert [p["name"] for p in first["data"]] == made[:2] and first["has_more"] is True

@@ -334,13 +334,14 @@ async def _ws_frames(srv: ServerThread, key: str, frame: dict) -> list[dict]:
 def test_block_hashes_and_fingerprint_are_for_admins(srv: ServerThread, secret: dict[str, list[int]]) -> None:
     """Item 4: a prefix's block hashes with the fingerprint seeding them let a user test guessed 16-token blocks
     offline. Users see neither (the listing, one prefix, /get_server_info); admins do."""
-    for path in ("/v1/prefixes", "/v1/prefixes/secret-p"):
+    for path in ("/v1/prefixes", "/v1/prefixes/secret-p"):      # (listings carry no block hashes at all)
         user = requests.get(srv.url + path, headers=bearer(USER), timeout=10).json()
         admin = requests.get(srv.url + path, headers=bearer(ADMIN), timeout=10).json()
         for entry in user.get("data", [user]):
-            assert entry["block_hashes"] is None and entry["fingerprint"] is None and entry["num_tokens"] > 0
+            assert entry.get("block_hashes") is None and entry["fingerprint"] is None and entry["num_tokens"] > 0
         for entry in admin.get("data", [admin]):
-            assert len(entry["block_hashes"]) == entry["num_pinned_blocks"] > 0 and entry["fingerprint"]
+            assert entry["fingerprint"] and entry["num_pinned_blocks"] > 0
+            assert "data" in admin or len(entry["block_hashes"]) == entry["num_pinned_blocks"]
         fingerprint = admin.get("data", [admin])[0]["fingerprint"]
         assert fingerprint not in json.dumps(user)
     assert requests.get(f"{srv.url}/get_server_info", headers=bearer(USER), timeout=10).json()["fingerprint"] is None

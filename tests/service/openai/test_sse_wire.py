@@ -37,7 +37,7 @@ async def test_completion_stream_bytes(server: ServerThread, model_name: str) ->
     chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
     assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
-    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": 0}
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
 
