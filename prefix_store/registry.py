@@ -243,13 +243,15 @@ class PrefixRegistry:
             return stored, created
 
     def check_room(self, owner: str | None) -> None:
-        """RegistryFull when the server, or this tenant, keeps as many prefixes as it may (leases count)."""
-        if len(self.local) >= self.max_prefixes:
-            raise RegistryFull(f"{len(self.local)} prefixes are registered, the most this server keeps "
+        """RegistryFull when the server, or this tenant, keeps as many prefixes as it may (leases count; one
+        that ended does not, though the sweep may not have unpinned it yet)."""
+        now = time.time()
+        live = [e.record for e in self.local.values() if not e.record.expired(now)]
+        if len(live) >= self.max_prefixes:
+            raise RegistryFull(f"{len(live)} prefixes are registered, the most this server keeps "
                                f"(--max-prefixes {self.max_prefixes}); delete one first", param="name")
         cap = self.max_prefixes_per_tenant
-        if owner is not None and cap is not None and \
-                sum(1 for e in self.local.values() if e.record.owner == owner) >= cap:
+        if owner is not None and cap is not None and sum(1 for r in live if r.owner == owner) >= cap:
             raise RegistryFull(f"this tenant has {cap} prefixes registered (prompt_cache_key leases included), "
                                f"the most one tenant keeps (--max-prefixes-per-tenant {cap}); delete one first",
                                param="name")
