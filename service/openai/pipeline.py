@@ -138,8 +138,8 @@ async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, caller:
     check_echo_logprobs(prompts, parsed.req, config.max_echo_logprobs)
     parsed.req.params.cache_salt = cache_salt(caller, parsed.req.cache_salt, prefix, ready.engine.block_size)
     # a caller reads a prefix's source if it is an admin, or the prefix is its own tenant's (keyed owner/name)
-    may_read = prefix is None or caller.admin or prefix.key != prefix.name
-    hidden = [0] * len(prompts) if may_read else [_hidden(p, prefix) for p in prompts]   # type: ignore[arg-type]
+    may_read = caller.admin or prefix is None or prefix.key != prefix.name
+    hidden = [0] * len(prompts) if may_read or prefix is None else [_hidden(p, prefix) for p in prompts]
     prepared = Prepared(parsed, prompts, ready, caller, prefix, hidden=hidden)
     if parsed.req.echo:     # decoding a hundred long prompts takes a while: the tokenizer thread's work
         prepared.echo = await run(size, tokenizer, lambda tok: _echo(prepared, tok))
