@@ -22,12 +22,13 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, Iterator
-from typing import Any, cast
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import msgpack
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError, WatchError
@@ -36,6 +37,7 @@ from prefix_store.base import PrefixEvent, PrefixRecord, ReplicaInfo
 from prefix_store.errors import PrefixConflict, StoreUnavailable
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_NAMESPACE = "prefixserve"
 _TX_ATTEMPTS = 16             # WatchError retries before giving up on a write (only under heavy churn)
@@ -120,51 +122,56 @@ class RedisPrefixStore:
     def _replica_key(self, replica_id: str) -> str:
         return f"{self._ns}:replica:{replica_id}"
 
-    async def put(self, record: PrefixRecord, origin: str) -> tuple[PrefixRecord, bool]:
-        key = self._record_key(record.fingerprint, record.key)
-        payload = _pack(record.to_dict())
-        announcement = _pack(PrefixEvent("registered", record.fingerprint, record.key, origin).to_dict())
-        with _unavailable("put"):
+    async def _transaction(self, op: str, name: str, keys: tuple[str, ...],
+                           attempt: Callable[[Pipeline], Awaitable[T]]) -> T:
+        """`attempt(pipe)` with `keys` watched (it reads, then MULTI / writes / EXEC), retried on WatchError: the
+        compare-and-set of every write here."""
+        with _unavailable(op):
             async with self._client.pipeline(transaction=True) as pipe:
                 for _ in range(_TX_ATTEMPTS):
                     try:
-                        await pipe.watch(key)
-                        raw = await pipe.get(key)
-                        if raw is not None:
-                            existing = _record(raw, key)
-                            if existing.same_content(record):
-                                return existing, False
-                            raise PrefixConflict(existing)
-                        pipe.multi()
-                        pipe.set(key, payload, pxat=_pxat(record))
-                        pipe.sadd(self._index_key(record.fingerprint), record.key)
-                        pipe.sadd(self._fingerprints_key, record.fingerprint)
-                        pipe.publish(self._channel, announcement)
-                        await pipe.execute()
-                        return PrefixRecord.from_dict(record.to_dict()), True
-                    except WatchError:  # another client wrote the key between WATCH and EXEC
+                        await pipe.watch(*keys)
+                        return await attempt(pipe)
+                    except WatchError:  # another client wrote a watched key between WATCH and EXEC
                         continue
-        raise StoreUnavailable(f"put of prefix {record.name!r} lost {_TX_ATTEMPTS} races in a row; retry")
+        raise StoreUnavailable(f"{op} of prefix {name!r} lost {_TX_ATTEMPTS} races in a row; retry")
+
+    def _stored(self, record: PrefixRecord, origin: str) -> tuple[str, bytes, bytes]:
+        """A record's key, its value, and the announcement of its writing."""
+        return (self._record_key(record.fingerprint, record.key), _pack(record.to_dict()),
+                _pack(PrefixEvent("registered", record.fingerprint, record.key, origin).to_dict()))
+
+    async def put(self, record: PrefixRecord, origin: str) -> tuple[PrefixRecord, bool]:
+        key, payload, announcement = self._stored(record, origin)
+
+        async def attempt(pipe: Pipeline) -> tuple[PrefixRecord, bool]:
+            raw = await pipe.get(key)
+            if raw is not None:
+                existing = _record(raw, key)
+                if existing.same_content(record):
+                    return existing, False
+                raise PrefixConflict(existing)
+            pipe.multi()
+            pipe.set(key, payload, pxat=_pxat(record))
+            pipe.sadd(self._index_key(record.fingerprint), record.key)
+            pipe.sadd(self._fingerprints_key, record.fingerprint)
+            pipe.publish(self._channel, announcement)
+            await pipe.execute()
+            return PrefixRecord.from_dict(record.to_dict()), True
+        return await self._transaction("put", record.name, (key,), attempt)
 
     async def update(self, record: PrefixRecord, origin: str) -> bool:
-        key = self._record_key(record.fingerprint, record.key)
-        payload = _pack(record.to_dict())
-        announcement = _pack(PrefixEvent("registered", record.fingerprint, record.key, origin).to_dict())
-        with _unavailable("update"):
-            async with self._client.pipeline(transaction=True) as pipe:
-                for _ in range(_TX_ATTEMPTS):
-                    try:
-                        await pipe.watch(key)
-                        if not await pipe.exists(key):
-                            return False
-                        pipe.multi()
-                        pipe.set(key, payload, pxat=_pxat(record))
-                        pipe.publish(self._channel, announcement)
-                        await pipe.execute()
-                        return True
-                    except WatchError:
-                        continue
-        raise StoreUnavailable(f"update of prefix {record.name!r} lost {_TX_ATTEMPTS} races in a row; retry")
+        key, payload, announcement = self._stored(record, origin)
+
+        async def attempt(pipe: Pipeline) -> bool:
+            if not await pipe.exists(key):
+                return False
+            pipe.multi()
+            pipe.set(key, payload, pxat=_pxat(record))
+            pipe.publish(self._channel, announcement)
+            await pipe.execute()
+            return True
+        return await self._transaction("update", record.name, (key,), attempt)
 
     async def get(self, fingerprint: str, name: str) -> PrefixRecord | None:
         key = self._record_key(fingerprint, name)
@@ -197,30 +204,25 @@ class RedisPrefixStore:
     async def delete(self, fingerprint: str, name: str, origin: str) -> bool:
         key, index = self._record_key(fingerprint, name), self._index_key(fingerprint)
         announcement = _pack(PrefixEvent("deleted", fingerprint, name, origin).to_dict())
-        with _unavailable("delete"):
-            async with self._client.pipeline(transaction=True) as pipe:
-                for _ in range(_TX_ATTEMPTS):
-                    try:
-                        # The index is watched too: whether the fingerprint set keeps fp depends on it.
-                        await pipe.watch(key, index)
-                        if not await pipe.exists(key):
-                            if await pipe.sismember(index, name):       # its lease expired: tidy the index
-                                pipe.multi()
-                                pipe.srem(index, name)
-                                await pipe.execute()
-                            return False
-                        others = await pipe.scard(index) - int(await pipe.sismember(index, name))
-                        pipe.multi()
-                        pipe.delete(key)
-                        pipe.srem(index, name)
-                        if others == 0:
-                            pipe.srem(self._fingerprints_key, fingerprint)
-                        pipe.publish(self._channel, announcement)
-                        await pipe.execute()
-                        return True
-                    except WatchError:
-                        continue
-        raise StoreUnavailable(f"delete of prefix {name!r} lost {_TX_ATTEMPTS} races in a row; retry")
+
+        async def attempt(pipe: Pipeline) -> bool:
+            if not await pipe.exists(key):
+                if await pipe.sismember(index, name):       # its lease expired: tidy the index
+                    pipe.multi()
+                    pipe.srem(index, name)
+                    await pipe.execute()
+                return False
+            others = await pipe.scard(index) - int(await pipe.sismember(index, name))
+            pipe.multi()
+            pipe.delete(key)
+            pipe.srem(index, name)
+            if others == 0:
+                pipe.srem(self._fingerprints_key, fingerprint)
+            pipe.publish(self._channel, announcement)
+            await pipe.execute()
+            return True
+        # The index is watched too: whether the fingerprint set keeps fp depends on it.
+        return await self._transaction("delete", name, (key, index), attempt)
 
     async def heartbeat(self, info: ReplicaInfo, ttl_s: float) -> None:
         if ttl_s <= 0:
