@@ -8,6 +8,8 @@
 //                 the row's maximum (torch.argmax's choice on rows without NaN)
 //     row_topk    the indices of the k largest logits of each row (k <= 64), in no particular order; of
 //                 equal values at the boundary, the first in the row
+//     refine      logits[t, top[t, j]] = w[top[t, j]] . x[t] in float32: a quantized head's chosen logits
+//                 recomputed from the float weight, its rows read in place (torch would gather them first)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -125,6 +127,21 @@ void row_topk(const X* x, int V, int k, int64_t* out) {
     for (int i = 0; i < n; ++i) out[i] = idx[i];
 }
 
+template <typename W>
+float row_dot(const W* w, const float* x, int H) {
+    int h = 0;
+    float total = 0.f;
+#if defined(__AVX512F__)
+    if (!g_generic) {
+        __m512 acc = _mm512_setzero_ps();
+        for (; h + 16 <= H; h += 16) acc = _mm512_fmadd_ps(load16(w + h), _mm512_loadu_ps(x + h), acc);
+        total = _mm512_reduce_add_ps(acc);
+    }
+#endif
+    for (; h < H; ++h) total += to_float(w[h]) * x[h];
+    return total;
+}
+
 }  // namespace
 
 extern "C" {
@@ -153,6 +170,22 @@ int prefixserve_row_topk(const void* x, int dtype, int64_t x_stride, int T, int 
         else row_topk(static_cast<const float*>(x) + t * x_stride, V, k, out + t * k);
     }
     return 0;
+}
+
+// x: [T, H] float32 (row stride x_stride); w: [V, H] (dtype 0 float32, 1 bfloat16; row stride w_stride);
+// top: [T, k] int64 in [0, V); logits: [T, V] float32 (row stride l_stride), written at the top entries only.
+void prefixserve_refine(const float* x, int64_t x_stride, const void* w, int dtype, int64_t w_stride,
+                        const int64_t* top, int T, int k, int H, float* logits, int64_t l_stride) {
+    #pragma omp parallel for schedule(static) if (static_cast<int64_t>(T) * k * H >= 65536)
+    for (int t = 0; t < T; ++t) {
+        const float* xr = x + t * x_stride;
+        for (int j = 0; j < k; ++j) {
+            const int64_t v = top[static_cast<int64_t>(t) * k + j];
+            logits[t * l_stride + v] = dtype == 1
+                ? row_dot(static_cast<const uint16_t*>(w) + v * w_stride, xr, H)
+                : row_dot(static_cast<const float*>(w) + v * w_stride, xr, H);
+        }
+    }
 }
 
 // Tests: 1 runs the portable loops even where AVX-512 is there; returns whether AVX-512 loops exist.

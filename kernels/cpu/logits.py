@@ -8,6 +8,10 @@ from cache) where torch runs logsumexp, argmax and topk as separate passes over 
     row_topk(x, k)    x [T, V] float32 or bfloat16 -> [T, k] int64: the indices of each row's k largest values,
                       in no particular order (k <= 64); of equal values at the boundary, the earlier index;
                       NaN is never chosen over a number
+    refine(logits, top, x, w)
+                      logits [T, V] float32, top [T, k] int64, x [T, H] float32, w [V, H] float32 or bfloat16:
+                      logits[t, top[t, j]] = w[top[t, j]] . x[t] in float32 (lanes of 16, then their sum:
+                      torch's einsum within float32 rounding), in place; w's rows are read where they lie
 
 `available()` says whether the kernel builds here (a C++ compiler); callers keep torch's operators otherwise.
 """
@@ -34,6 +38,8 @@ def _lib() -> Any:
     lib.prefixserve_row_stats.restype = None
     lib.prefixserve_row_topk.argtypes = [p, i, i64, i, i, i, p]
     lib.prefixserve_row_topk.restype = ctypes.c_int
+    lib.prefixserve_refine.argtypes = [p, i64, p, i, i64, p, i, i, i, p, i64]
+    lib.prefixserve_refine.restype = None
     lib.prefixserve_logits_generic.argtypes = [i]
     lib.prefixserve_logits_generic.restype = ctypes.c_int
     return lib
@@ -68,6 +74,19 @@ def row_topk(x: torch.Tensor, k: int) -> torch.Tensor:
                                          out.data_ptr())
         assert rc == 0, rc
     return out
+
+
+def refine(logits: torch.Tensor, top: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    _check(logits, (torch.float32,))
+    _check(x, (torch.float32,))
+    _check(w, tuple(_DTYPES))
+    T, k = top.shape
+    assert top.dtype == torch.int64 and top.is_contiguous() and x.shape[0] == logits.shape[0] == T
+    assert w.shape[1] == x.shape[1] and w.shape[0] == logits.shape[1] and w.shape[0] < 2**31
+    if T and k:
+        _lib().prefixserve_refine(x.data_ptr(), x.stride(0), w.data_ptr(), _DTYPES[w.dtype], w.stride(0),
+                                  top.data_ptr(), T, k, x.shape[1], logits.data_ptr(), logits.stride(0))
+    return logits
 
 
 def set_generic(on: bool) -> bool:

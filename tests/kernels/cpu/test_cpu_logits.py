@@ -77,6 +77,21 @@ def test_row_topk_equal_torch(generic: bool, dtype: torch.dtype, k: int) -> None
     assert sorted(got[2].tolist()) == list(range(100, 100 + k))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [576, 40])
+def test_refine_writes_exact_logits_at_the_chosen_entries_only(generic: bool, dtype: torch.dtype, hidden: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(3000, hidden + 8, generator=g)[:, :hidden]).to(dtype)   # strided rows, as a slice would be
+    x = strided(11, hidden, 6, scale=1.0)
+    logits = torch.full((11, 3000), -7.0)
+    top = torch.stack([torch.randperm(3000, generator=g)[:32] for _ in range(11)])
+    got = L.refine(logits.clone(), top, x.contiguous(), w)
+    exact = x @ w.float().T
+    torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-4)
+    untouched = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
+    assert (got[untouched] == -7.0).all()
+
+
 def test_sampler_on_the_kernel_equals_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sampler's tokens and log-probabilities with the kernel equal those of torch's operators."""
     logits = strided(40, 4096, seed=3)
