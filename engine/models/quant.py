@@ -17,13 +17,15 @@ compute-bound). Measured on this 2-core CPU over the 120 projections of SmolLM2 
 memory, per step, casts included: int4 4.95 / 8.1 / 13.7 / 18.9 / 24.7 / 87 ms at 1 / 4 / 8 / 10 / 16 / 64
 rows against bfloat16's 11.5 / 14.5 / 16.0 / 17.7 / 21.1 / 44.7 ms (the crossover moves by a row or two
 from run to run). Every quantized layer therefore also keeps its weight in bfloat16 (2 bytes a
-parameter: 212 MB for SmolLM2's layers, 56 MB for its head), reordered once into oneDNN's blocked layout.
+parameter: 212 MB for SmolLM2's layers), reordered once into oneDNN's blocked layout; the head keeps an
+int8 copy instead (28 MB, Int8ActHead), or a bfloat16 one (56 MB) where oneDNN's int8 kernel is missing.
 (8-bit activations would be twice as fast again on VNNI, but cost too much accuracy on this model:
 measured 13-17 of 20 first tokens equal to float32's, against int4's 20.)
 
 The output projection (lm_head, tied to the embedding in SmolLM2: 49,152 x 576, a fifth of the model)
-is quantized as the layers are, with its top 64 logits recomputed exactly from the float weight
-(QuantLogits), so greedy choices do not depend on the 4-bit rounding; the embedding lookup reads one
+is quantized as the layers are, with its top logits recomputed exactly from the float weight
+(QuantLogits: 64 of the 4-bit rows; 32 of a wide step's int8 x int8 product), so greedy choices do not
+depend on the rounding; the embedding lookup reads one
 row per token and stays in the serving dtype.
 
 NOTE: precision. The CPU kernels are fast with bfloat16 activations only (fp32 activations take a
