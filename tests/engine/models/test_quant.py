@@ -151,3 +151,14 @@ def test_quantized_answers_do_not_depend_on_how_much_of_the_prompt_was_cached(ti
         assert out.num_cached_tokens == cached
         results.append((out.outputs[0].token_ids, out.outputs[0].logprobs))
     assert all(r == results[0] for r in results[1:])
+
+
+def test_building_the_head_leaves_torch_global_generator_alone() -> None:
+    """The int8 head probes oneDNN's kernel once at load: with fixed inputs, so a caller's torch.manual_seed
+    gives the same random numbers after a model loads as before."""
+    w = torch.linspace(-1, 1, 3200 * 64).view(3200, 64)
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    QuantLogits(w, "int4")
+    assert torch.equal(torch.rand(4), expected)
