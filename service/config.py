@@ -22,7 +22,8 @@ _HOST_PATTERN_RE = re.compile(r"\*|[a-z0-9*\-]{1,63}(\.[a-z0-9*\-]{1,63})*")
 _ORIGIN_RE = re.compile(r"https?://[a-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9a-f:.]+\](:[0-9]{1,5})?")
 
 
-def _is_address(text: str) -> bool:
+def is_address(text: str) -> bool:
+    """An IPv4 or IPv6 address (no brackets, no port)."""
     try:
         ipaddress.ip_address(text)
     except ValueError:
@@ -130,7 +131,7 @@ class ServiceConfig:
         checks += [(o == "*" or _ORIGIN_RE.fullmatch(o) is not None, f"allowed_origins: {o!r} is not an "
                     "origin (scheme://host[:port], or *)") for o in self.allowed_origins]
         self.allowed_hosts = tuple(h.lower().rstrip(".") for h in self.allowed_hosts)
-        checks += [(_HOST_PATTERN_RE.fullmatch(h) is not None or _is_address(h.strip("[]")),
+        checks += [(_HOST_PATTERN_RE.fullmatch(h) is not None or is_address(h.strip("[]")),
                     f"allowed_hosts: {h!r} is not a host name, an address, a pattern with * for a label, or *")
                    for h in self.allowed_hosts]
         for ok, message in checks:

@@ -36,13 +36,12 @@ and cannot refuse WebSocket origins; this is one policy over one list.
 """
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Awaitable, Callable
 
 from aiohttp import hdrs, web
 
-from service.config import ServiceConfig
+from service.config import ServiceConfig, is_address
 from service.errors import ApiError
 
 ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
@@ -79,14 +78,6 @@ def host_name(authority: str) -> str:
     return h.rstrip(".")
 
 
-def _is_address(name: str) -> bool:
-    try:
-        ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return True
-
-
 class Hosts:
     """The Host allow-list (see the module's docstring). A pattern's `*` matches one label's characters."""
 
@@ -100,7 +91,7 @@ class Hosts:
                           for n in names if "*" in n and n != "*"]
 
     def allowed(self, name: str) -> bool:
-        return (self._any or name in self._exact or _is_address(name)
+        return (self._any or name in self._exact or is_address(name)
                 or any(p.fullmatch(name) for p in self._patterns))
 
 
