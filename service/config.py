@@ -78,6 +78,10 @@ class ServiceConfig:
     max_lease_seconds: float = knob(7 * 86400.0, "longest ttl_seconds a prefix lease may ask for")
     prompt_cache_ttl: float = knob(600.0, "seconds a prompt_cache_key lease lasts after its last hit, for "
                                           "prompt_cache_retention in_memory (the default); 24h leases last 86400")
+    response_store_max: int = knob(1024, "most stored Responses (store: true) one replica keeps, shared between "
+                                          "tenants (service/openai/responses.py)")
+    response_store_bytes: int = knob(64 * 2**20, "most bytes of stored Responses (and their conversations) one "
+                                                 "replica keeps, shared between tenants")
     metrics_require_key: bool = knob(True, "/metrics needs a key like the API (with --api-key set)")
     allowed_origins: tuple[str, ...] = knob((), "web origins allowed cross-origin (CORS) and on the WebSocket, "
                                                 "comma-separated, e.g. https://app.example.com; * for any")
@@ -107,6 +111,8 @@ class ServiceConfig:
             (self.max_lease_seconds >= 1, "max_lease_seconds must be >= 1"),
             (1 <= self.prompt_cache_ttl <= self.max_lease_seconds,
              "prompt_cache_ttl must be within [1, max_lease_seconds]"),
+            (self.response_store_max >= 1, "response_store_max must be >= 1"),
+            (self.response_store_bytes >= 1024, "response_store_bytes must be >= 1024"),
             (self.cache_isolation in CACHE_ISOLATION,
              f"cache_isolation must be one of {CACHE_ISOLATION}, got {self.cache_isolation!r}"),
             (self.max_ws_per_client >= 1, "max_ws_per_client must be >= 1"),

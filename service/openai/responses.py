@@ -191,7 +191,8 @@ STORE = web.AppKey("response_store", ResponseStore)
 
 
 def setup(app: web.Application) -> None:
-    app[STORE] = ResponseStore()
+    config = app[STATE].config
+    app[STORE] = ResponseStore(config.response_store_max, config.response_store_bytes)
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
