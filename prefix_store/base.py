@@ -16,6 +16,10 @@ from typing import Any, Literal, Protocol
 EventKind = Literal["registered", "deleted", "resync"]
 SOURCE_KEYS = ("prompt", "messages", "token_ids")
 PrefixKind = Literal["named", "cache_key"]      # registered by name, or a prompt_cache_key's lease
+Salt = tuple[tuple[int, str], ...]
+"""The cache salt a prefix's blocks are hashed with: (block index, key) pairs in ascending block order, the
+engine's CacheSalt (engine/kv/block_pool.py). A named prefix has one key at block 0 (or none); a lease has
+the salt its request ran with: a published prefix's at block 0, then its tenant's where the prefix ends."""
 
 
 @dataclass
@@ -26,9 +30,10 @@ class PrefixRecord:
     fingerprint, so another replica can check it hashes the same tokens the same way.
 
     `owner`: the tenant it belongs to (None: published to all). `salt`: the cache salt its blocks are
-    hashed with (engine/kv/block_pool.CacheSalt at block 0; None: unsalted), decided at registration so
-    every replica pins the same hashes. A lease (`ttl_seconds`) ends at `expires_at` (wall clock) unless
-    a hit or an update moves it; without one the prefix lasts until deleted.
+    hashed with (`Salt`; empty: unsalted), decided at registration so every replica pins the same hashes.
+    `hidden_tokens`: how many leading tokens its owner may not read (a lease on a published prefix: that
+    prefix's tokens; `source` then holds only the tokens after them). A lease (`ttl_seconds`) ends at
+    `expires_at` (wall clock) unless a hit or an update moves it; without one the prefix lasts until deleted.
     """
 
     name: str
@@ -40,10 +45,11 @@ class PrefixRecord:
     description: str | None = None
     created_at: float = field(default_factory=time.time)
     owner: str | None = None
-    salt: str | None = None
+    salt: Salt = ()
     kind: PrefixKind = "named"
     ttl_seconds: float | None = None
     expires_at: float | None = None
+    hidden_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -77,10 +83,11 @@ class PrefixRecord:
             "description": self.description,
             "created_at": self.created_at,
             "owner": self.owner,
-            "salt": self.salt,
+            "salt": _salt_out(self.salt),
             "kind": self.kind,
             "ttl_seconds": self.ttl_seconds,
             "expires_at": self.expires_at,
+            "hidden_tokens": self.hidden_tokens,
         }
 
     @classmethod
@@ -96,11 +103,30 @@ class PrefixRecord:
             description=data.get("description"),
             created_at=float(data.get("created_at", 0.0)),
             owner=None if data.get("owner") is None else str(data["owner"]),
-            salt=None if data.get("salt") is None else str(data["salt"]),
+            salt=_salt_in(data.get("salt")),
             kind="cache_key" if data.get("kind") == "cache_key" else "named",
             ttl_seconds=None if data.get("ttl_seconds") is None else float(data["ttl_seconds"]),
             expires_at=None if data.get("expires_at") is None else float(data["expires_at"]),
+            hidden_tokens=int(data.get("hidden_tokens") or 0),
         )
+
+
+def _salt_out(salt: Salt) -> str | list[list[Any]] | None:
+    """A salt as stored: one key at block 0 as that string (what replicas before multi-part salts read), none as
+    None, else the list of [block, key] pairs."""
+    if not salt:
+        return None
+    if len(salt) == 1 and salt[0][0] == 0:
+        return salt[0][1]
+    return [[i, key] for i, key in salt]
+
+
+def _salt_in(raw: Any) -> Salt:
+    if raw is None or raw == "":
+        return ()
+    if isinstance(raw, str):
+        return ((0, raw),)
+    return tuple((int(i), str(key)) for i, key in raw)
 
 
 @dataclass

@@ -7,7 +7,9 @@ LRU. A hit moves the end in the background (`refresh`), writing the store at mos
 lease: requests never wait for Redis.
 
 A `prompt_cache_key` is a lease of kind "cache_key" on the common prefix of the prompts that sent it, in
-their tenant (`cache_key`).
+their tenant (`cache_key`). It pins those tokens under the cache salt their requests ran with (so they
+hit it), and records only what its tenant may read: after a published prefix the request named, the
+tokens past that prefix (`PrefixRecord.hidden_tokens`: the prefix's are pinned, never shown).
 
 NOTE: a friend of PrefixRegistry: it runs under the registry's lock and through its local view, shielded
 operations and caps, on the event loop like the registry.
@@ -23,7 +25,7 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from prefix_store.base import PrefixRecord
+from prefix_store.base import PrefixRecord, Salt
 from prefix_store.errors import StoreUnavailable
 from prefix_store.local import LocalPrefix, salt_of
 
@@ -88,12 +90,14 @@ class Leases:
                 await reg.store.delete(reg.fingerprint, key, origin=reg.replica_id)
         log.info("prefix %r: its lease ended, unpinned", key)
 
-    async def cache_key(self, owner: str | None, salt: str | None, cache_key: str, token_ids: list[int],
-                        ttl_seconds: float) -> None:
+    async def cache_key(self, owner: str | None, salt: Salt, cache_key: str, token_ids: list[int],
+                        ttl_seconds: float, hidden: int = 0) -> None:
         """A request with `prompt_cache_key` ended: keep the common prefix of the prompts that sent this key
         pinned (its full blocks), as a lease of `ttl_seconds`. The first prompt pins its own full blocks;
-        a later one that shares fewer narrows the lease to what they share (one that shares no block
-        replaces it); one that shares it all moves the lease's end. Raises what registering raises."""
+        a later one that shares fewer narrows the lease to what they share (one that shares no block, or
+        ran with another salt, replaces it); one that shares it all moves the lease's end. `salt`: the
+        request's cache salt; `hidden`: the prompt's leading tokens its tenant may not read (not recorded in
+        the lease's source). Raises what registering raises."""
         reg = self.registry
         b = reg.engine.block_size
         usable = list(token_ids[:(len(token_ids) - 1) // b * b])     # the blocks a later prompt can hit
@@ -101,7 +105,7 @@ class Leases:
         key = name if owner is None else f"{owner}/{name}"
         entry = reg.local.get(key)
         tokens = usable
-        if entry is not None:
+        if entry is not None and entry.record.salt == salt:
             old = entry.record.token_ids
             common = next((i for i, (x, y) in enumerate(zip(old, usable)) if x != y), min(len(old), len(usable)))
             common = common // b * b
@@ -111,10 +115,11 @@ class Leases:
             tokens = usable[:common] if common >= b else usable
         if len(tokens) < b:
             return
+        hidden = min(hidden, len(tokens))
         record = PrefixRecord(name=name, fingerprint=reg.fingerprint, token_ids=tokens,
-                              source={"token_ids": tokens}, tokenizer_version=reg.engine.tokenizer_version,
+                              source={"token_ids": tokens[hidden:]}, tokenizer_version=reg.engine.tokenizer_version,
                               owner=owner, salt=salt, kind="cache_key", ttl_seconds=ttl_seconds,
-                              expires_at=time.time() + ttl_seconds)
+                              expires_at=time.time() + ttl_seconds, hidden_tokens=hidden)
         await reg.shielded(self._replace(record))
 
     async def _replace(self, record: PrefixRecord) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prefix_store.base import PrefixRecord
+from prefix_store.base import PrefixRecord, Salt
 
 
 class Pinned(Protocol):
@@ -49,12 +49,14 @@ class PrefixSnapshot:
     token_ids: tuple[int, ...]
     messages: tuple[dict[str, Any], ...] | None      # its source, when it was registered with messages
     key: str = ""                                    # PrefixRecord.key: what its use is counted under
-    salt: str | None = None                          # its blocks' cache salt (PrefixRecord.salt)
+    salt: Salt = ()                                  # its blocks' cache salt (PrefixRecord.salt)
+    hidden: int = 0         # its leading tokens the caller may not read (prefix_store/access.py)
+    foreign: int = 0        # ... its caller's tenant may not read: what a lease of the request may not record
 
 
-def salt_of(record: PrefixRecord) -> tuple[tuple[int, str], ...]:
+def salt_of(record: PrefixRecord) -> Salt:
     """The engine's cache salt (block_pool.CacheSalt) a record's blocks are hashed with."""
-    return ((0, record.salt),) if record.salt else ()
+    return record.salt
 
 
 @dataclass

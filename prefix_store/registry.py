@@ -12,9 +12,10 @@ Redis is never on the per-token path: requests resolve names in the local view. 
 reads answer from the local view and writes answer 503; when it comes back, the replica resyncs.
 
 Tenants: a prefix a tenant registers is its own (`owner`; its key `<owner>/<name>`), one an admin
-publishes is everyone's (key: its name). A caller resolves a name to its own prefix first, then to the
-published one of that name; it never sees another tenant's. Leases (prefixes with a `ttl_seconds`, and
-`prompt_cache_key`s) are prefix_store/leases.py's.
+publishes is everyone's (key: its name). Which record a name means to a caller, and what of it the caller
+may read, is prefix_store/access.py's one rule; every method here that takes a name or returns a record
+goes through it (another tenant's prefix is PrefixNotFound, exactly as a name nobody registered). Leases
+(prefixes with a `ttl_seconds`, and `prompt_cache_key`s) are prefix_store/leases.py's.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from prefix_store.base import PrefixKind, PrefixRecord, PrefixStore, ReplicaInfo
+from prefix_store.access import Reader, hidden_tokens, keys_for
+from prefix_store.base import PrefixKind, PrefixRecord, PrefixStore, ReplicaInfo, Salt
 from prefix_store.errors import (
     InvalidPrefix,
     PrefixConflict,
@@ -193,7 +195,7 @@ class PrefixRegistry:
 
     # -- API operations -----------------------------------------------------------------------
     async def register(self, name: str, token_ids: list[int], source: dict[str, Any], description: str | None,
-                       owner: str | None = None, salt: str | None = None, ttl_seconds: float | None = None,
+                       owner: str | None = None, salt: Salt = (), ttl_seconds: float | None = None,
                        kind: PrefixKind = "named") -> tuple[PrefixRecord, bool]:
         """Pins then records. Returns (record, created). Raises InvalidPrefix, PrefixConflict, RegistryFull,
         StoreUnavailable or the engine's PinCapExceeded. `owner`: the tenant it is registered for (None:
@@ -256,54 +258,49 @@ class PrefixRegistry:
                                f"the most one tenant keeps (--max-prefixes-per-tenant {cap}); delete one first",
                                param="name")
 
-    def _keys(self, name: str, owner: str | None, tenant: str | None = None) -> list[str]:
-        """The keys `name` may mean, in order: the given tenant's (an admin's `tenant`), else the caller's
-        own, then the published one."""
-        if tenant is not None:
-            return [f"{tenant}/{name}"]
-        return ([f"{owner}/{name}"] if owner is not None else []) + [name]
-
-    async def _find(self, name: str, owner: str | None, tenant: str | None = None) -> PrefixRecord:
-        """The record `name` means to this caller: the local view first, then the store (PrefixNotFound,
-        StoreUnavailable)."""
-        keys = self._keys(name, owner, tenant)
+    async def _find(self, name: str, reader: Reader, tenant: str | None = None) -> PrefixRecord:
+        """The record `name` means to `reader` (access.keys_for): the local view first, then the store
+        (PrefixNotFound, StoreUnavailable)."""
+        keys = keys_for(name, reader, tenant)
         now = time.time()
-        for key in keys:
-            if key in self.local and not self.local[key].record.expired(now):
-                return self.local[key].record
-        for key in keys:
-            record = await self.store.get(self.fingerprint, key)
-            if record is not None:
-                return record
-        raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
+        found = next((self.local[k].record for k in keys if k in self.local and not self.local[k].record.expired(now)),
+                     None)
+        for key in keys if found is None else ():
+            found = await self.store.get(self.fingerprint, key)
+            if found is not None:
+                break
+        if found is None or hidden_tokens(found, reader) is None:
+            raise _not_found(name, "name")
+        return found
 
     @staticmethod
-    def _may_change(record: PrefixRecord, owner: str | None, admin: bool) -> None:
-        if not admin and record.owner != owner:
+    def _may_change(record: PrefixRecord, reader: Reader) -> None:
+        """Only a published prefix can be visible and not the caller's own (access.py)."""
+        if not reader.admin and record.owner != reader.owner:
             raise PrefixForbidden(f"prefix {record.name!r} is published to every tenant; only an admin key may "
                                   "change or delete it", param="name")
 
-    async def delete(self, name: str, owner: str | None = None, admin: bool = True, tenant: str | None = None) -> None:
+    async def delete(self, name: str, reader: Reader, tenant: str | None = None) -> None:
         """Raises PrefixNotFound, PrefixForbidden or StoreUnavailable. A record the store cannot decode (a
         foreign writer) is deleted by key: the first of the caller's keys for the name that holds one."""
         try:
-            record = await self._find(name, owner, tenant)
+            record = await self._find(name, reader, tenant)
         except StoreUnavailable:
-            keys = self._keys(name, owner, tenant)
-            for key in keys if admin else keys[:1] if owner is not None else []:
+            keys = keys_for(name, reader, tenant)
+            for key in keys if reader.admin else keys[:1] if reader.owner is not None else []:
                 with contextlib.suppress(PrefixNotFound):
-                    return await self.shielded(self._delete(key))
+                    return await self.shielded(self._delete(key, name))
             raise
-        self._may_change(record, owner, admin)
-        await self.shielded(self._delete(record.key))
+        self._may_change(record, reader)
+        await self.shielded(self._delete(record.key, name))
 
-    async def _delete(self, key: str) -> None:
+    async def _delete(self, key: str, name: str) -> None:
         async with self.lock:
             deleted = await self.store.delete(self.fingerprint, key, origin=self.replica_id)
             present = key in self.local
             await self.unpin_local(key)
         if not deleted and not present:
-            raise PrefixNotFound(f"prefix {key.rsplit('/', 1)[-1]!r} is not registered", param="name")
+            raise _not_found(name, "name")
 
     async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs `coro` to its end even if the caller is cancelled (its outcome is then only logged); only
@@ -317,12 +314,11 @@ class PrefixRegistry:
         task.add_done_callback(_log_orphan)
         return await asyncio.shield(task)
 
-    async def update(self, name: str, owner: str | None, admin: bool, tenant: str | None = None,
-                     **changes: Any) -> dict[str, Any]:
+    async def update(self, name: str, reader: Reader, tenant: str | None = None, **changes: Any) -> dict[str, Any]:
         """PATCH: a new `ttl_seconds` (None: no lease any more; the lease restarts now) and/or `description`.
         Raises PrefixNotFound, PrefixForbidden or StoreUnavailable."""
-        record = await self._find(name, owner, tenant)
-        self._may_change(record, owner, admin)
+        record = await self._find(name, reader, tenant)
+        self._may_change(record, reader)
         if "ttl_seconds" in changes:
             ttl = changes["ttl_seconds"]
             record = dataclasses.replace(record, ttl_seconds=ttl, expires_at=None if ttl is None else time.time() + ttl)
@@ -330,26 +326,28 @@ class PrefixRegistry:
             record = dataclasses.replace(record, description=changes["description"])
         async with self.lock:
             if not await self.store.update(record, origin=self.replica_id):
-                raise PrefixNotFound(f"prefix {name!r} is not registered", param="name")
+                raise _not_found(name, "name")
             entry = self.local.get(record.key)
             if entry is not None:
                 entry.record = record
-        return self.describe(entry, record, loaded=entry is not None)
+        return self.describe(entry, record, reader)
 
-    def snapshot(self, name: str, owner: str | None = None) -> PrefixSnapshot:
-        """The named prefix as a request of tenant `owner` uses it (its own, else the published one);
-        PrefixNotFound if it is not pinned here. Names resolve in this replica's local view, never in the
-        store: the store is not on the per-request path."""
+    def snapshot(self, name: str, reader: Reader) -> PrefixSnapshot:
+        """The named prefix as a request of `reader` uses it (its own, else the published one); PrefixNotFound
+        if it is not pinned here. Names resolve in this replica's local view, never in the store: the store
+        is not on the per-request path."""
         now = time.time()     # a lease that ended is gone for requests at once, before the sweep unpins it
-        entry = next((self.local[k] for k in self._keys(name, owner)
+        entry = next((self.local[k] for k in keys_for(name, reader)
                       if k in self.local and not self.local[k].record.expired(now)), None)
-        if entry is None:
-            raise PrefixNotFound(f"prefix {name!r} is not registered", param="prefix")
+        hidden = None if entry is None else hidden_tokens(entry.record, reader)
+        foreign = None if entry is None else hidden_tokens(entry.record, reader.tenant_view)
+        if entry is None or hidden is None or foreign is None:
+            raise _not_found(name, "prefix")
         record = entry.record
         messages = record.source.get("messages")
         return PrefixSnapshot(name, tuple(record.token_ids),
                               tuple(dict(m) for m in messages) if isinstance(messages, list) else None,
-                              record.key, record.salt)
+                              record.key, record.salt, hidden, foreign)
 
     def record_use(self, key: str, cached_tokens: int) -> tuple[int, int]:
         """Counts a request that named the prefix (by its key); a hit moves its lease. Returns (hit 0/1,
@@ -366,12 +364,22 @@ class PrefixRegistry:
         return hit, saved
 
     # -- reading ------------------------------------------------------------------------------
-    def describe(self, entry: LocalPrefix | None, record: PrefixRecord, loaded: bool) -> dict[str, Any]:
+    def describe(self, entry: LocalPrefix | None, record: PrefixRecord, reader: Reader) -> dict[str, Any]:
+        """A prefix as `reader` may see it (access.hidden_tokens): where some of its tokens are not the
+        reader's to read, neither is its source (a published prefix's; a lease's holds only the tokens after
+        its head), nor its block hashes and the model fingerprint that seeds them (with both, a guessed block
+        of tokens could be checked offline)."""
+        hidden = hidden_tokens(record, reader)
+        if hidden is None:
+            raise _not_found(record.name, "name")
+        source = None if record.owner is None and hidden else record.source
+        hashes, fingerprint = (None, None) if hidden else (record.block_hashes, record.fingerprint)
+        loaded = entry is not None
         return {
             "name": record.name, "object": "prefix", "num_tokens": len(record.token_ids),
-            "num_pinned_blocks": entry.pinned_blocks if entry else 0, "block_hashes": record.block_hashes,
-            "model": self.engine.model_name, "fingerprint": record.fingerprint, "created_at": int(record.created_at),
-            "description": record.description, "source": record.source, "loaded": loaded,
+            "num_pinned_blocks": entry.pinned_blocks if entry else 0, "block_hashes": hashes,
+            "model": self.engine.model_name, "fingerprint": fingerprint, "created_at": int(record.created_at),
+            "description": record.description, "source": source, "loaded": loaded,
             # what it was registered from (not secret: the source itself is admin-only): chat can only name a
             # prefix registered with messages
             "kind": "messages" if record.source.get("messages") is not None else "prompt",
@@ -382,23 +390,27 @@ class PrefixRegistry:
             "hit_requests": entry.hit_requests if entry else 0, "tokens_saved": entry.tokens_saved if entry else 0,
         }
 
-    async def list(self, owner: str | None = None, admin: bool = True) -> list[dict[str, Any]]:
-        """Every record in the store this caller may see (an admin: all; a tenant: its own and the published
-        ones), sorted by key, other models' listed as not loaded; the local view if the store is down."""
+    async def list(self, reader: Reader) -> list[tuple[PrefixRecord, dict[str, Any]]]:
+        """Every record in the store `reader` may see (an admin: all; a tenant: its own and the published
+        ones) with its description, sorted by key, other models' listed as not loaded; the local view if the
+        store is down."""
         try:
             records = await self.store.list(None)
         except StoreUnavailable:
             records = [e.record for e in self.local.values()]
         out = []
         for r in sorted(records, key=lambda r: (r.fingerprint != self.fingerprint, r.key)):
-            if not (admin or r.owner is None or r.owner == owner):
+            if hidden_tokens(r, reader) is None:
                 continue
-            mine = r.fingerprint == self.fingerprint
-            entry = self.local.get(r.key) if mine else None
-            out.append(self.describe(entry, r, loaded=entry is not None))
+            entry = self.local.get(r.key) if r.fingerprint == self.fingerprint else None
+            out.append((r, self.describe(entry, r, reader)))
         return out
 
-    async def get(self, name: str, owner: str | None = None, tenant: str | None = None) -> dict[str, Any]:
-        record = await self._find(name, owner, tenant)
-        entry = self.local.get(record.key)
-        return self.describe(entry, record, loaded=entry is not None)
+    async def get(self, name: str, reader: Reader, tenant: str | None = None) -> dict[str, Any]:
+        record = await self._find(name, reader, tenant)
+        return self.describe(self.local.get(record.key), record, reader)
+
+
+def _not_found(name: str, param: str) -> PrefixNotFound:
+    """The one answer for a name this caller cannot see, whether nobody registered it or another tenant did."""
+    return PrefixNotFound(f"prefix {name!r} is not registered", param=param)

@@ -15,6 +15,9 @@ block past the prefix, so what follows a published prefix is not shared between 
 
     tokens:  | prefix's full blocks  | the rest of the prompt, then the output ... |
     salt:    prefix.salt at block 0   caller's salt at block len(prefix) // block_size
+
+A prompt_cache_key lease keeps the salt its request ran with (both parts, after a published prefix), and a
+request that names such a lease goes on from where the lease's salt leaves off.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from prefix_store.access import Reader
+from prefix_store.base import Salt
 from prefix_store.local import PrefixSnapshot
 
 ANONYMOUS = "anonymous."        # callers without a key where none is needed (no group name ends with ".")
@@ -46,28 +51,35 @@ class Caller:
             parts.append("client:" + hashlib.sha256(client_salt.encode()).hexdigest()[:32])
         return "|".join(parts) or None
 
-    def prefix_salt(self, published_name: str | None) -> str | None:
+    def prefix_salt(self, published_name: str | None) -> Salt:
         """The salt a prefix this caller registers is hashed with: its own prompts' salt, or for a
-        published prefix one of its own (None where nothing is isolated)."""
-        if published_name is None:
-            return self.salt()
-        return f"published:{published_name}" if self.isolated else None
+        published prefix one of its own (none where nothing is isolated)."""
+        key = self.salt() if published_name is None else f"published:{published_name}" if self.isolated else None
+        return ((0, key),) if key else ()
 
     @property
     def owner(self) -> str | None:
         """Whose prefixes it sees (besides the published ones): its tenant's."""
         return self.tenant
 
+    @property
+    def reader(self) -> Reader:
+        """Its view of the prefix registry (prefix_store/access.py decides what that shows)."""
+        return Reader(self.tenant, self.admin)
+
 
 def cache_salt(caller: Caller, client_salt: str | None, prefix: PrefixSnapshot | None,
                block_size: int) -> tuple[tuple[int, str], ...]:
-    """The engine's CacheSalt for a request (the module docstring's sketch)."""
+    """The engine's CacheSalt for a request (the module docstring's sketch): the prefix's own salt over its
+    full blocks, then the caller's from the block where the prefix ends, unless the prefix's salt already
+    ends with it."""
     mine = caller.salt(client_salt)
-    if prefix is None or prefix.salt == mine:
+    if prefix is None:
         return ((0, mine),) if mine else ()
-    salts = [(0, prefix.salt)] if prefix.salt else []
-    if mine:
-        salts.append((len(prefix.token_ids) // block_size, mine))
+    switch = len(prefix.token_ids) // block_size
+    salts = [(i, key) for i, key in prefix.salt if i < switch]     # a narrowed lease's later parts salt nothing
+    if mine and (not salts or salts[-1][1] != mine):
+        salts.append((switch, mine))
     return tuple(salts)
 
 

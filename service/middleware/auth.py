@@ -23,9 +23,9 @@ for it; keyless callers (where no API key is needed) are one tenant. The middlew
 Open to everyone: GET /health, and the demo page with its static files (they hold no data; the page
 asks for the key). /metrics is open unless `metrics_require_key`. With admin keys configured, the
 registry writes and cache flushes (ADMIN_ROUTES) need the admin role: 403 for a user, 401 for anonymous; reading a
-prefix's source text needs it too, on every path that returns tokens or text (`is_admin`: the registry's views
-in service/routes/prefixes.py, and `Prepared.hidden` in service/openai/pipeline.py for render, echo, prompt
-token ids and logprobs).
+published prefix's source text needs it too, on every path that returns tokens or text (prefix_store/access.py
+decides for the registry's views, and through `Prepared.hidden` in service/openai/pipeline.py for render,
+echo, prompt token ids and logprobs).
 
 Keys are compared in constant time: both sides are hashed with SHA-256 and every configured key is
 compared (no early exit), so neither the length nor which key matched shows in the timing.

@@ -42,6 +42,11 @@ buckets lose the spread within one request. vLLM's deprecated `vllm:time_per_out
 _preemptions_total, _prefix_cache_queried_tokens_total / _hit_tokens_total, _time_to_first_token_seconds,
 _time_per_output_token_seconds, _e2e_request_latency_seconds are the vllm: series above.
 
+A prefix's label is its name when it is published; a tenant's own prefix (and lease) is labelled
+`private-<HMAC-SHA256(label key, "<tenant>/<name>")[:12]>`, the label key derived from the server's
+configured keys (so every replica with the same keys, and a restart, label a prefix alike) and known to
+no one who lacks them: a scrape cannot be used to check guessed names offline (prefix_store/access.py).
+
 Engine gauges and counters are read from `engine.stats()` when scraped; request histograms are
 observed from the engine's own timestamps (RequestTimes) when a request's output reaches its
 handler. Per-prefix series are read from the registry's local view when scraped, so a prefix's
@@ -52,6 +57,8 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import hmac
+import secrets
 from collections.abc import Awaitable, Callable, Iterator
 
 from aiohttp import web
@@ -60,6 +67,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from engine.outputs import RequestOutput
+from service.config import ServiceConfig
 from service.state import ServiceState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -104,6 +112,7 @@ class _StateCollector(Collector):
     def __init__(self, state: ServiceState, gaps: _GapHistogram) -> None:
         self._state = state
         self._gaps = gaps
+        self._label_key = label_key(state.config)
 
     def collect(self) -> Iterator[Metric]:
         state = self._state
@@ -148,8 +157,9 @@ class _StateCollector(Collector):
         saved = CounterMetricFamily("prefixserve_prefix_tokens_saved", "Prompt tokens served from a named "
                                     "prefix's cached blocks, by prefix", labels=["prefix"])
         for key, entry in (state.registry.local.items() if state.registry is not None else ()):
-            hits.add_metric([_label(key, entry.record.owner)], entry.hit_requests)
-            saved.add_metric([_label(key, entry.record.owner)], entry.tokens_saved)
+            label = self._label(key, entry.record.owner)
+            hits.add_metric([label], entry.hit_requests)
+            saved.add_metric([label], entry.tokens_saved)
         yield hits
         yield saved
         if s.kv_events_published is not None:
@@ -160,10 +170,19 @@ class _StateCollector(Collector):
                                       value=s.kv_events_dropped)
 
 
-def _label(key: str, owner: str | None) -> str:
-    """A prefix's label: its name when published; a tenant's own as a digest, so that a scrape with a user
-    key does not show one tenant's prefix names to another."""
-    return key if owner is None else "private-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    def _label(self, key: str, owner: str | None) -> str:
+        """A prefix's label (the module docstring): its name when published; a tenant's own as a keyed digest."""
+        if owner is None:
+            return key
+        return "private-" + hmac.new(self._label_key, key.encode(), hashlib.sha256).hexdigest()[:12]
+
+
+def label_key(config: ServiceConfig) -> bytes:
+    """The key of private prefixes' labels: a digest of every configured key, or a random one without keys."""
+    keys = sorted({*config.api_key, *config.admin_key, *(pair.partition(":")[2] for pair in config.tenant_keys)})
+    if not keys:
+        return secrets.token_bytes(32)
+    return hashlib.sha256(b"prefixserve-metrics-labels\0" + b"\0".join(k.encode() for k in keys)).digest()
 
 
 class Metrics:

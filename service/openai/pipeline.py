@@ -81,8 +81,9 @@ class Prepared:
     """A request through parse, prefix, limits and tokenize: ready to submit.
 
     `hidden[i]`: how many leading tokens of prompt i this caller may not be shown (a named prefix's, for a
-    caller who may not read its source; 0 otherwise). Every path that returns tokens or text of the prompt
-    (render, echo, prompt token ids, prompt logprobs) leaves them out."""
+    caller who may not read its source: prefix_store/access.py; 0 otherwise). Every path that returns tokens
+    or text of the prompt (render, echo, prompt token ids, prompt logprobs) leaves them out. `foreign[i]`:
+    the same for any key of the caller's tenant, admin or not: what a prompt_cache_key lease may not record."""
 
     parsed: Parsed
     prompts: list[list[int]]
@@ -91,6 +92,7 @@ class Prepared:
     prefix: PrefixSnapshot | None = None
     lease: asyncio.Task[None] | None = None     # the prompt_cache_key lease, once the generation ended
     hidden: list[int] = field(default_factory=list)
+    foreign: list[int] = field(default_factory=list)
     echo: list[str] | None = None       # completions' echo: each prompt's text as the caller may see it
 
     def shown(self, i: int) -> list[int]:
@@ -137,10 +139,9 @@ async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, caller:
     prompts = await run(size, tokenizer, tokenize)
     check_echo_logprobs(prompts, parsed.req, config.max_echo_logprobs)
     parsed.req.params.cache_salt = cache_salt(caller, parsed.req.cache_salt, prefix, ready.engine.block_size)
-    # a caller reads a prefix's source if it is an admin, or the prefix is its own tenant's (keyed owner/name)
-    may_read = caller.admin or prefix is None or prefix.key != prefix.name
-    hidden = [0] * len(prompts) if may_read or prefix is None else [_hidden(p, prefix) for p in prompts]
-    prepared = Prepared(parsed, prompts, ready, caller, prefix, hidden=hidden)
+    hidden = [_hidden(p, prefix, prefix.hidden) if prefix else 0 for p in prompts]
+    foreign = [_hidden(p, prefix, prefix.foreign) if prefix else 0 for p in prompts]
+    prepared = Prepared(parsed, prompts, ready, caller, prefix, hidden=hidden, foreign=foreign)
     if parsed.req.echo:     # decoding a hundred long prompts takes a while: the tokenizer thread's work
         prepared.echo = await run(size, tokenizer, lambda tok: _echo(prepared, tok))
     return prepared
@@ -162,12 +163,13 @@ def check_prompt_chars(texts: list[str], param: str, limit: int) -> None:
                       "request (--max-prompt-chars)", param)
 
 
-def _hidden(prompt: list[int], prefix: PrefixSnapshot) -> int:
-    """The leading tokens of `prompt` that are the prefix's. A chat template that rendered the prefix's messages
-    into other tokens (registration checks this does not happen) hides the whole prompt: where the prefix's
-    text went is then unknown."""
-    head = len(prefix.token_ids)
-    return head if tuple(prompt[:head]) == prefix.token_ids else len(prompt)
+def _hidden(prompt: list[int], prefix: PrefixSnapshot, count: int) -> int:
+    """The leading tokens of `prompt` not to show when the prefix's first `count` are not to be shown. A chat
+    template that rendered the prefix's messages into other tokens (registration checks this does not
+    happen) hides the whole prompt: where the prefix's text went is then unknown."""
+    if count == 0:
+        return 0
+    return count if tuple(prompt[:len(prefix.token_ids)]) == prefix.token_ids else len(prompt)
 
 
 def check_echo_logprobs(prompts: list[list[int]], req: GenerationRequest, limit: int) -> None:
@@ -196,7 +198,7 @@ def _snapshot(ready: Ready, name: str | None, caller: Caller) -> PrefixSnapshot 
         return None
     if ready.registry is None:
         raise PrefixNotFound(f"prefix {name!r} is not registered", param="prefix")
-    return ready.registry.snapshot(name, caller.owner)
+    return ready.registry.snapshot(name, caller.reader)
 
 
 def check_choices(num_prompts: int, sampling: SamplingParams, max_choices: int) -> None:
@@ -225,10 +227,9 @@ def _on_finish(prepared: Prepared) -> Callable[[Usage], Any] | None:
 
 async def _lease(registry: PrefixRegistry, prepared: Prepared, key: str, ttl: float) -> None:
     """Best effort: a lease the caps refuse (pinned blocks, prefixes per tenant) leaves the cache as it is."""
-    caller = prepared.caller
     try:
-        await registry.leases.cache_key(caller.owner, caller.salt(prepared.req.cache_salt), key,
-                                       prepared.prompts[0], ttl)
+        await registry.leases.cache_key(prepared.caller.owner, prepared.req.params.cache_salt, key,
+                                       prepared.prompts[0], ttl, prepared.foreign[0])
     except (EngineError, RegistryError) as exc:
         log.info("prompt_cache_key lease not kept: %s", exc)
 
@@ -247,15 +248,16 @@ def generation(prepared: Prepared, metrics: Metrics) -> Generation:
 
 
 def _echo(prepared: Prepared, tokenizer: Any) -> list[str]:
-    """Completions' `echo`: each prompt's text as the client wrote it (decoded when a prefix went first; a
-    prefix the caller may not read is left out: its own prompt only)."""
-    req, body = prepared.req, prepared.parsed.body
-    if (req.prefix is None or any(prepared.hidden)) and isinstance(body, CompletionRequest):
+    """Completions' `echo`: each prompt's text as the client wrote it (decoded when a prefix the caller may read
+    went first, from where it may read; a prefix it may not read at all is left out: its own prompt only)."""
+    body, prefix = prepared.parsed.body, prepared.prefix
+    texts: list[str] = []
+    if isinstance(body, CompletionRequest):
         prompt = body.prompt
         texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
-        if len(texts) == len(prepared.prompts):
-            return texts
-    return [tokenizer.decode(prepared.shown(i)) for i in range(len(prepared.prompts))]
+    own = len(texts) == len(prepared.prompts)
+    return [texts[i] if own and (prefix is None or prepared.hidden[i] >= len(prefix.token_ids))
+            else tokenizer.decode(prepared.shown(i)) for i in range(len(prepared.prompts))]
 
 
 async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], Shaper]) -> web.StreamResponse:

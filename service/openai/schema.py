@@ -49,6 +49,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.sequence import SAMPLING_RANGES
+from prefix_store.access import NAME_PATTERN
 from service.errors import ApiError, invalid
 
 MAX_STOP = 16                # stop strings per request
@@ -184,6 +185,7 @@ class StructuredOutputs(_Strict):
 
 MAX_CACHE_KEY = 1024          # prompt_cache_key and cache_salt: characters
 CacheKey = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_KEY)]
+PrefixName = Annotated[str, Field(pattern=NAME_PATTERN)]    # a registered prefix's name (prefix_store/access.py)
 CacheTtl = Annotated[str, Field(pattern=r"^[1-9][0-9]{0,6}[smh]$")]     # "30m" (the SDK's), "24h", "90s"
 
 
@@ -224,7 +226,7 @@ class _Sampling(_PromptCache):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    prefix: str | None = None
+    prefix: PrefixName | None = None
     return_token_ids: bool | None = None
     use_beam_search: bool | None = None
     length_penalty: Annotated[float, bounds("length_penalty")] | None = None
@@ -339,7 +341,7 @@ class ResponsesRequest(_PromptCache):
     store: bool | None = None
     text: ResponseTextConfig | None = None
     seed: Annotated[int, bounds("seed")] | None = None              # vLLM's extension, as on chat
-    prefix: str | None = None                                        # ours: a named prefix first
+    prefix: PrefixName | None = None                                 # ours: a named prefix first
     background: Literal[False] | None = None                         # no background mode here
     # accepted, no effect here (service/openai/schema.py NO_EFFECT)
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA)] | None = None
@@ -352,7 +354,6 @@ class ResponsesRequest(_PromptCache):
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
 
 
-NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"     # no "." or ".." alone, no trailing newline
 MAX_DESCRIPTION = 4096
 
 

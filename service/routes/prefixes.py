@@ -3,8 +3,10 @@
 Whose prefix is whose (service/tenants.py): a caller registers prefixes for its own tenant; an admin
 publishes them to every tenant (its default, or `published: false` for its own tenant's). A caller sees,
 uses, changes and deletes its own and, by name, the published ones (only an admin changes or deletes
-those); an admin sees all, and names another tenant's with `?tenant=`. Listings are paginated
-(`limit`, `after`: OpenAI's list shape) and leave out sources and block hashes (GET one for those).
+those); an admin sees all, and names another tenant's with `?tenant=`. What a name means and what of a
+prefix a caller sees is prefix_store/access.py's rule: a `{name}` that is not a name (`acme%2Fsecret`),
+another tenant's prefix and a missing one are the same 404. Listings are paginated (`limit`, `after`:
+OpenAI's list shape) and leave out sources and block hashes (GET one for those).
 """
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ from typing import Any
 
 from aiohttp import web
 
+from prefix_store.base import PrefixRecord
 from prefix_store.registry import PrefixRegistry
 from service.errors import ApiError, invalid
-from service.middleware.auth import is_admin
 from service.openai.pipeline import off_loop, read_body
 from service.openai.render import encode_prompt, render_messages, template_messages
 from service.openai.schema import PrefixPatch, PrefixRequest, parse_model
@@ -76,9 +78,8 @@ async def create_prefix(request: web.Request) -> web.Response:
     record, created = await registry.register(
         body.name, token_ids, source, body.description, owner=None if published else caller.owner,
         salt=caller.prefix_salt(body.name if published else None), ttl_seconds=body.ttl_seconds)
-    entry = registry.local.get(record.key)
-    described = registry.describe(entry, record, loaded=entry is not None)
-    return web.json_response(_visible(request, described), status=201 if created else 200)
+    described = registry.describe(registry.local.get(record.key), record, caller.reader)
+    return web.json_response(described, status=201 if created else 200)
 
 
 def _check_ttl(ttl: float | None, longest: float) -> None:
@@ -86,19 +87,11 @@ def _check_ttl(ttl: float | None, longest: float) -> None:
         raise invalid(f"ttl_seconds must be within [1, {longest:g}] (--max-lease-seconds)", "ttl_seconds")
 
 
-def _visible(request: web.Request, entry: dict[str, Any]) -> dict[str, Any]:
-    """A prefix as this caller may see it: its source text (a system prompt) and owner only for admins or its
-    own tenant; nor, for the others, its block hashes and the model fingerprint that seeds them (with both, a
-    guessed block of tokens could be checked offline)."""
-    if is_admin(request) or not entry["published"]:       # a tenant sees only its own and the published ones
-        return entry
-    return {**entry, "source": None, "owner": None, "block_hashes": None, "fingerprint": None}
-
-
 def _tenant(request: web.Request) -> str | None:
-    """`?tenant=`: an admin naming another tenant's prefix (a user may name only its own)."""
+    """`?tenant=`: an admin naming another tenant's prefix (a user may name only its own: 403 whatever the name,
+    so it tells nothing of which exist)."""
     tenant = request.query.get("tenant")
-    if tenant is not None and not is_admin(request):
+    if tenant is not None and not caller_of(request).admin:
         raise ApiError(403, "only an admin key may name another tenant's prefixes", type="permission_error",
                        code="admin_key_required", param="tenant")
     return tenant
@@ -115,28 +108,27 @@ async def list_prefixes(request: web.Request) -> web.Response:
     registry = _registry(request)
     limit, after = _page(request)
     caller = caller_of(request)
-    entries = await registry.list(caller.owner, caller.admin)
-    ids = [_id(e) for e in entries]
+    entries = await registry.list(caller.reader)
+    ids = [_id(record) for record, _ in entries]
     start = ids.index(after) + 1 if after in ids else 0 if after is None else len(ids)
-    page = [{k: v for k, v in _visible(request, e).items() if k not in ("source", "block_hashes")}
-            for e in entries[start:start + limit]]
+    page = [{k: v for k, v in e.items() if k not in ("source", "block_hashes")}
+            for _, e in entries[start:start + limit]]
     return web.json_response({"object": "list", "data": page, "has_more": start + limit < len(entries),
                               "first_id": ids[start] if page else None,
                               "last_id": ids[start + len(page) - 1] if page else None})
 
 
-def _id(entry: dict[str, Any]) -> str:
+def _id(record: PrefixRecord) -> str:
     """A listing's cursor: unique across tenants and models (a digest of the model's fingerprint: the
     fingerprint itself is for admins, it seeds the block hashes)."""
-    model = hashlib.sha256(str(entry["fingerprint"]).encode()).hexdigest()[:12]
-    return f"{model}:{entry.get('owner') or ''}/{entry['name']}"
+    model = hashlib.sha256(record.fingerprint.encode()).hexdigest()[:12]
+    return f"{model}:{record.owner or ''}/{record.name}"
 
 
 async def get_prefix(request: web.Request) -> web.Response:
     registry = _registry(request)
     caller = caller_of(request)
-    return web.json_response(_visible(request, await registry.get(request.match_info["name"], caller.owner,
-                                                                   _tenant(request))))
+    return web.json_response(await registry.get(request.match_info["name"], caller.reader, _tenant(request)))
 
 
 async def patch_prefix(request: web.Request) -> web.Response:
@@ -149,16 +141,15 @@ async def patch_prefix(request: web.Request) -> web.Response:
         raise invalid("give ttl_seconds and/or description to change", "ttl_seconds")
     _check_ttl(changes.get("ttl_seconds"), state.config.max_lease_seconds)
     caller = caller_of(request)
-    described = await registry.update(request.match_info["name"], caller.owner, caller.admin, _tenant(request),
-                                      **changes)
-    return web.json_response(_visible(request, described))
+    described = await registry.update(request.match_info["name"], caller.reader, _tenant(request), **changes)
+    return web.json_response(described)
 
 
 async def delete_prefix(request: web.Request) -> web.Response:
     registry = _registry(request)
     name = request.match_info["name"]
     caller = caller_of(request)
-    await registry.delete(name, caller.owner, caller.admin, _tenant(request))
+    await registry.delete(name, caller.reader, _tenant(request))
     return web.json_response({"name": name, "object": "prefix", "deleted": True})
 
 
