@@ -11,7 +11,7 @@ from aiohttp import web
 from service.openai import pipeline
 from service.openai.generation import ChoiceDelta, Generation
 from service.openai.logprobs import chat_logprobs
-from service.openai.pipeline import Prepared
+from service.openai.pipeline import ChunkShaper, Prepared
 from service.openai.tools import ToolCallStream
 
 
@@ -19,7 +19,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     return await pipeline.serve(request, chat=True, shaper=ChatShaper)
 
 
-class ChatShaper:
+class ChatShaper(ChunkShaper):
     def __init__(self, prepared: Prepared) -> None:
         self.req = prepared.req
         self.model = prepared.ready.model_name
@@ -85,4 +85,4 @@ class ChatShaper:
         out = {**self.head(gen), "object": "chat.completion", "choices": items}
         if self.req.return_token_ids:
             out["prompt_token_ids"] = gen.shown_prompt(0)
-        return out
+        return {**out, "usage": gen.usage.as_dict()}

@@ -11,14 +11,14 @@ from aiohttp import web
 from service.openai import pipeline
 from service.openai.generation import ChoiceDelta, Generation
 from service.openai.logprobs import CompletionLogprobs
-from service.openai.pipeline import Prepared
+from service.openai.pipeline import ChunkShaper, Prepared
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     return await pipeline.serve(request, chat=False, shaper=CompletionShaper)
 
 
-class CompletionShaper:
+class CompletionShaper(ChunkShaper):
     def __init__(self, prepared: Prepared) -> None:
         self.req = prepared.req
         self.model = prepared.ready.model_name
@@ -38,7 +38,7 @@ class CompletionShaper:
         out = {**self.head(gen), "choices": [self._choice(c) for c in choices]}
         if self.req.return_token_ids:
             out["prompt_token_ids"] = [gen.shown_prompt(i) for i in range(len(gen.prompts))]
-        return out
+        return {**out, "usage": gen.usage.as_dict()}
 
     def _choice(self, d: ChoiceDelta) -> dict[str, Any]:
         lp = self.logprobs.format(d.index, d.token_ids, d.logprobs or []) if self.logprobs is not None else None

@@ -14,8 +14,9 @@ the router's render all take the same stages, in this order, each stage in one m
     submit      Generation.begin (AsyncEngine.add)       400 (a grammar that does  event loop (grammars
                                                          not compile in time),     compile on the engine's
                                                          429, 503                  grammar threads)
-    answer      the surface's Shaper: sse.stream, or     (errors after the headers: an SSE error event)
-                Generation.collect
+    answer      answer (here): sse.stream in the         (errors after the headers: the surface's
+                surface's Frames, or Generation.collect  error event)
+                and the surface's body
 
 (*) a body of --large-body-bytes or more: the large bodies' tokenizer thread (service/tokenizer_threads.py).
 
@@ -23,13 +24,16 @@ When a request with `prompt_cache_key` ends, its prompt's common prefix with the
 leased (prefix_store/leases.py): a whole answer waits for the lease (so `max_tokens: 0` warms the
 cache and says so), a stream does not.
 
-A surface hands the pipeline only its shaping (a Shaper: the id/object head, the chunks of one delta,
-the body of a whole answer), made once the request is submitted: on its way to the engine a request
-enters each module once. The WebSocket and the render endpoints take `prepare` (and `submit`) and answer
-in their own shape. A body that takes seconds to parse, render or tokenize (hundreds of prompts,
-a long conversation) would stall every stream and /health on the loop, so those stages run on a
-tokenizer thread; the registry belongs to the loop, so the prefix is looked up there, between the two,
-and handed over as an immutable snapshot.
+A surface hands the pipeline only its shaping (a Shaper: the frames of a stream, the body of a whole
+answer): on its way to the engine a request enters each module once. Chat and completions take `serve`;
+the Responses API parses and translates its own body, then takes `prepare` and `answer` (so a whole
+Responses answer waits for its lease, and its stream ends through sse.stream's guard, as chat's). The
+WebSocket and the render endpoints take `prepare` (and `submit`) and answer in their own shape.
+
+A body that takes seconds to parse, render or tokenize (hundreds of prompts, a long conversation) would
+stall every stream and /health on the loop, so those stages run on a tokenizer thread; the registry
+belongs to the loop, so the prefix is looked up there, between the two, and handed over as an immutable
+snapshot.
 """
 from __future__ import annotations
 
@@ -105,13 +109,31 @@ class Prepared:
 
 
 class Shaper(Protocol):
-    """A surface's shaping of one generation's answer (chat and completions each have one)."""
+    """A surface's shaping of one generation's answer."""
 
-    def head(self, gen: Generation) -> dict[str, Any]: ...          # id, object, created, model
+    def frames(self, gen: Generation) -> sse.Frames: ...       # a streamed answer (sse.stream writes it)
 
-    def chunks(self, gen: Generation, delta: ChoiceDelta) -> list[dict[str, Any]]: ...   # one delta -> SSE chunks
+    def body(self, gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]: ...  # a whole one, usage in
 
-    def body(self, gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]: ...  # all choices -> JSON
+
+class ChunkShaper:
+    """Chat's and completions' common shaping: OpenAI chunks (`head` + `chunks`) as `data:` events with the
+    usage chunk and [DONE] (sse.DataFrames), stream_options honoured."""
+
+    req: GenerationRequest
+
+    def head(self, gen: Generation) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunks(self, gen: Generation, d: ChoiceDelta) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def frames(self, gen: Generation) -> sse.Frames:
+        usage_chunk = {**self.head(gen), "choices": []} if self.req.include_usage else None
+        if self.req.continuous_usage:
+            return sse.DataFrames(gen, lambda d: [{**c, "usage": gen.usage.as_dict()} for c in self.chunks(gen, d)],
+                                  usage_chunk)
+        return sse.DataFrames(gen, lambda d: self.chunks(gen, d), usage_chunk)
 
 
 async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, caller: Caller,
@@ -261,26 +283,28 @@ def _echo(prepared: Prepared, tokenizer: Any) -> list[str]:
 
 
 async def serve(request: web.Request, chat: bool, shaper: Callable[[Prepared], Shaper]) -> web.StreamResponse:
-    """A whole HTTP generation request: every stage, then SSE or one JSON answer."""
+    """A whole HTTP generation request of chat or completions: every stage, then SSE or one JSON answer."""
     ready = request.app[STATE].ready()
     with ready.engine.arriving():       # a burst of requests is prefilled together (AsyncEngine.arriving)
         raw = await read_body(request, ready.config.body_timeout)
         prepared = await prepare(ready, raw, chat, caller_of(request))
+    return await answer(request, prepared, shaper(prepared), ignored_fields(prepared.parsed.ignored))
+
+
+async def answer(request: web.Request, prepared: Prepared, shape: Shaper,
+                 headers: dict[str, str]) -> web.StreamResponse:
+    """submit -> answer: a stream in the surface's frames, or its body once the generation ended and its
+    prompt_cache_key lease is pinned."""
+    config = prepared.ready.config
     gen = await submit(prepared, request.app[METRICS])      # adds before its first await: no gap to miss
-    headers = ignored_fields(prepared.parsed.ignored)
     try:
-        shape = shaper(prepared)
         if prepared.req.stream:
-            usage_chunk = {**shape.head(gen), "choices": []} if prepared.req.include_usage else None
-            chunks = (lambda d: [{**c, "usage": gen.usage.as_dict()} for c in shape.chunks(gen, d)]) \
-                if prepared.req.continuous_usage else (lambda d: shape.chunks(gen, d))
-            return await sse.stream(request, gen, chunks, usage_chunk, ready.config.keepalive_interval,
-                                    ready.config.write_timeout, headers)
+            return await sse.stream(request, gen, shape.frames(gen), config.keepalive_interval,
+                                    config.write_timeout, headers)
         choices = await gen.collect()
         if prepared.lease is not None:
             await asyncio.shield(prepared.lease)
-        text = await sse.shaped(sum(len(c.token_ids) for c in choices), lambda: sse.dumps(
-            {**shape.body(gen, choices), "usage": gen.usage.as_dict()}))
+        text = await sse.shaped(sum(len(c.token_ids) for c in choices), lambda: sse.dumps(shape.body(gen, choices)))
         return web.json_response(text=text, headers=headers)
     finally:
         gen.close()

@@ -1,5 +1,10 @@
-"""Server-sent events: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` last, `: keep-alive` comments
-while a stream is idle, and headers that keep proxies from buffering.
+"""Server-sent events: one streamed answer per generation, in its surface's frames (`Frames`: chat's and
+completions' `data: {json}\\n\\n` chunks and `data: [DONE]\\n\\n` last, or the Responses API's typed events),
+`: keep-alive` comments while a stream is idle, and headers that keep proxies from buffering.
+
+`stream` is the one writer of every surface's streams: after the headers, whatever happens (the engine's
+error, a fault of ours, a client gone or not reading), the stream ends with the surface's own error frame
+or not at all, never with an exception out of the handler.
 
 A client that stops reading fills its receive window, then the kernel's and aiohttp's send buffers, and
 from then on a write waits for room. `SSEResponse` gives each write `write_timeout` seconds: then the
@@ -12,7 +17,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -113,47 +118,72 @@ async def shaped(num_tokens: int, shape: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(shape, *args)
 
 
-def _events(chunks: Callable[[ChoiceDelta], list[dict[str, Any]]], delta: ChoiceDelta) -> bytes:
-    return b"".join(event(c) for c in chunks(delta))
+class Frames(Protocol):
+    """A surface's streamed answer, as bytes for `stream` to write (each its own SSE events)."""
+
+    def opening(self) -> bytes: ...                 # right after the headers (may be b"")
+
+    def delta(self, d: ChoiceDelta) -> bytes: ...   # one delta of the generation
+
+    def closing(self) -> bytes: ...                 # after the last delta
+
+    def failed(self, error: ApiError) -> bytes: ... # instead of closing(): a failure after the headers
 
 
-async def stream(request: web.Request, gen: Generation, chunks: Callable[[ChoiceDelta], list[dict[str, Any]]],
-                 usage_chunk: dict[str, Any] | None, keepalive: float, write_timeout: float,
+class DataFrames:
+    """OpenAI's chat and completions stream: `data: {chunk}` per chunk, then (stream_options.include_usage) a
+    chunk with the usage, then `data: [DONE]`; an error is one more `data:` event, then [DONE]."""
+
+    def __init__(self, gen: Generation, chunks: Callable[[ChoiceDelta], list[dict[str, Any]]],
+                 usage_chunk: dict[str, Any] | None) -> None:
+        self.gen, self.chunks, self.usage_chunk = gen, chunks, usage_chunk
+
+    def opening(self) -> bytes:
+        return b""
+
+    def delta(self, d: ChoiceDelta) -> bytes:
+        return b"".join(event(c) for c in self.chunks(d))
+
+    def closing(self) -> bytes:
+        if self.usage_chunk is None:
+            return DONE
+        return event({**self.usage_chunk, "usage": self.gen.usage.as_dict()}) + DONE
+
+    def failed(self, error: ApiError) -> bytes:
+        return event(error.body()) + DONE
+
+
+async def stream(request: web.Request, gen: Generation, frames: Frames, keepalive: float, write_timeout: float,
                  headers: dict[str, str] | None = None) -> web.StreamResponse:
-    """Writes the generation as SSE. `usage_chunk` (usage filled in at the end) goes before [DONE].
+    """Writes the generation as SSE in `frames`.
 
     NOTE: the caller closes `gen` in its `finally`; a client that goes away makes a write fail or
     (handler_cancellation) cancels this task, and one that stops reading makes a write time out
-    (SSEResponse); either way its engine requests are aborted.
+    (SSEResponse); either way its engine requests are aborted. The last write (the closing or the error
+    frame, and the EOF) is guarded like every other: a client gone by then just misses it.
     """
     resp = SSEResponse(request, write_timeout, {**SSE_HEADERS, **(headers or {})})
     await resp.prepare(request)
     try:
+        opening = frames.opening()
+        if opening:
+            await resp.write(opening)
         async for delta in gen.events(keepalive):
             if delta is None:
                 await resp.write(KEEPALIVE)
                 continue
-            await resp.write(await shaped(len(delta.token_ids), _events, chunks, delta))
+            await resp.write(await shaped(len(delta.token_ids), frames.delta, delta))
+        tail = frames.closing()
     except EngineError as exc:  # headers are sent: the error travels as one more event
-        await resp.write(event(to_api_error(exc).body()))
+        tail = frames.failed(to_api_error(exc))
     except ConnectionError:     # the client went away between two events
         return resp
     except Exception:           # a fault of ours after the headers: the stream still ends, with an error event
         log.exception("a streamed answer failed after its headers were sent")
-        try:
-            await resp.write(event(ApiError(500, "internal error while streaming the answer", type="internal_error",
-                                            code="internal_error").body()))
-        except ConnectionError:
-            return resp
-    else:
-        if usage_chunk is not None:
-            usage_chunk["usage"] = gen.usage.as_dict()
-            try:
-                await resp.write(event(usage_chunk))
-            except ConnectionError:
-                return resp
+        tail = frames.failed(ApiError(500, "internal error while streaming the answer", type="internal_error",
+                                      code="internal_error"))
     try:
-        await resp.write(DONE)
+        await resp.write(tail)
         await resp.write_eof()
     except ConnectionError:
         pass

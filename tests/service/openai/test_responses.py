@@ -4,16 +4,23 @@ store (store: false, GET, DELETE, bounded, one key's responses invisible to anot
 event types, function tools and their outputs, and clear 400s for what is not supported."""
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 import requests
 from openai import OpenAI
 
-from service.openai.responses import ResponseStore, Stored, to_messages
+from service.openai.response_store import ResponseStore, Stored
+from service.openai.responses import to_messages
 from tests.helpers.server import ServerThread, tiny_config
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather of a city",   # short strings:
@@ -132,13 +139,34 @@ def test_input_items_to_messages() -> None:
 def test_the_store_is_bounded() -> None:
     store = ResponseStore(max_items=3, max_bytes=1000)
     for i in range(5):
-        store.put(f"r{i}", Stored("", {"id": f"r{i}"}, [], 100))
+        store.put(f"r{i}", Stored("", "", {"id": f"r{i}"}, [], 100))
     assert len(store) == 3 and store.get("r0", "") is None and store.get("r4", "") is not None
     store.get("r2", "")                               # used: the least recently used is now r3
-    store.put("big", Stored("", {}, [], 800))
+    store.put("big", Stored("", "", {}, [], 800))
     assert store.get("r3", "") is None and store.get("r2", "") is not None and store.bytes <= 1000
-    store.put("huge", Stored("", {}, [], 5000))       # larger than the store: not kept, nothing evicted
+    store.put("huge", Stored("", "", {}, [], 5000))   # larger than the store: not kept, nothing evicted
     assert store.get("huge", "") is None and store.get("big", "") is not None
+
+
+def test_the_store_evicts_the_biggest_holders_least_recently_used() -> None:
+    """Issue 34, item 3: one tenant's flood evicts its own responses, never those of a tenant holding less."""
+    store = ResponseStore(max_items=6, max_bytes=10_000)
+    for i in range(2):
+        store.put(f"v{i}", Stored("kv", "victim", {}, [], 10))
+    for i in range(10):
+        store.put(f"f{i}", Stored("kf", "flood", {}, [], 10))
+    assert [r for r in ("v0", "v1") if store.get(r, "kv")] == ["v0", "v1"]
+    assert [r for r in (f"f{i}" for i in range(10)) if store.get(r, "kf")] == ["f6", "f7", "f8", "f9"]
+    assert store.held("victim") == (2, 20) and store.held("flood") == (4, 40) and len(store) == 6
+    store.put("v2", Stored("kv", "victim", {}, [], 10))       # the flood's tenant holds the most: its oldest goes
+    assert store.get("f6", "kf") is None and store.held("victim") == (3, 30)
+    store.put("f10", Stored("kf", "flood", {}, [], 10))       # a tie (3 and 3 + 1): the newcomer's tenant pays
+    assert store.get("f7", "kf") is None and store.held("victim") == (3, 30)
+    store.put("big", Stored("kf", "flood", {}, [], 9_955))    # over the count (f8 goes), then the bytes (f9)
+    assert store.held("victim") == (3, 30) and store.held("flood") == (2, 9_965) and store.bytes == 9_995
+    assert store.get("f10", "kf") is not None and store.get("f9", "kf") is None
+    assert store.get("v0", "kf") is None and store.get("v0", "kv") is not None    # readable by its key only
+    assert not store.delete("v0", "kf") and store.delete("v0", "kv") and store.held("victim") == (2, 20)
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +187,71 @@ def test_one_keys_responses_are_invisible_to_another(keyed: ServerThread) -> Non
         with pytest.raises(openai.NotFoundError):
             attempt()
     assert a.responses.retrieve(r.id).id == r.id      # b's delete did nothing
+
+
+def test_a_whole_response_waits_for_its_prompt_cache_key_lease(server: ServerThread) -> None:
+    """Issue 34, item 9: a whole Responses answer came back before its prompt_cache_key lease was pinned (chat's and
+    completions' wait for it). The registry is held busy here, so the lease cannot be pinned until it is let go."""
+    registry = server.state.registry
+    assert registry is not None
+    body = {"input": "A long agent prompt, resent with every turn of the conversation. " * 4, "max_output_tokens": 1,
+            "prompt_cache_key": "responses-lease-wait"}
+    server.call(registry.lock.acquire())
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(requests.post, f"{server.url}/v1/responses", json=body, timeout=60)
+            time.sleep(1.5)
+            assert not pending.done()             # answered only once the lease is pinned
+            server.loop.call_soon_threadsafe(registry.lock.release)
+            r = pending.result(30)
+    finally:
+        if registry.lock.locked():
+            server.loop.call_soon_threadsafe(registry.lock.release)
+    assert r.status_code == 200, r.text
+    name = "pck-" + hashlib.sha256(b"responses-lease-wait").hexdigest()[:32]
+    lease = requests.get(f"{server.url}/v1/prefixes/{name}", timeout=10)
+    assert lease.status_code == 200 and lease.json()["type"] == "prompt_cache_key"
+    assert requests.delete(f"{server.url}/v1/prefixes/{name}", timeout=10).status_code == 200
+
+
+def test_a_failure_after_the_headers_ends_a_response_stream_through_the_guard(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 34, item 9: the engine's error mid-stream became an `error` event written without the disconnect guard
+    of sse.stream: a client gone by then made the handler raise (aiohttp's "Error handling request"). Here the
+    engine fails on the second output and the client is gone when the error event is written."""
+    from engine.errors import CapacityExceeded
+    from service.openai.generation import Generation
+    from service.openai.sse import SSEResponse
+    real_deltas, real_write = Generation._deltas, SSEResponse.write
+    outputs: list[int] = []
+
+    def failing(self: Generation, out: Any) -> Any:
+        outputs.append(1)
+        if len(outputs) == 2:
+            raise CapacityExceeded("the KV cache was taken meanwhile")
+        return real_deltas(self, out)
+
+    async def gone(self: SSEResponse, data: Any) -> None:
+        if b"event: error" in bytes(data):
+            raise ConnectionResetError("the client went away")
+        await real_write(self, data)
+
+    monkeypatch.setattr(Generation, "_deltas", failing)
+    monkeypatch.setattr(SSEResponse, "write", gone)
+    caplog.set_level(logging.ERROR)
+    with requests.post(f"{server.url}/v1/responses", json={"input": "Tell me a story.", "max_output_tokens": 20,
+                                                           "stream": True}, timeout=60, stream=True) as r:
+        assert r.status_code == 200
+        with contextlib.suppress(requests.RequestException):
+            assert b"response.created" in r.content
+    monkeypatch.setattr(Generation, "_deltas", real_deltas)
+    monkeypatch.setattr(SSEResponse, "write", real_write)
+    assert len(outputs) >= 2
+    assert not [rec for rec in caplog.records if rec.exc_info], [rec.getMessage() for rec in caplog.records]
+    st = server.state.engine.stats()
+    for _ in range(100):
+        if st.requests_running == st.requests_waiting == 0:
+            break
+        time.sleep(0.05)
+        st = server.state.engine.stats()
+    assert st.requests_running == st.requests_waiting == 0
