@@ -226,3 +226,19 @@ def test_only_registered_and_deleted_travel_on_the_wire() -> None:
     assert PrefixEvent.from_dict(PrefixEvent("deleted", FP, "n", "r").to_dict()) == PrefixEvent("deleted", FP, "n", "r")
     with pytest.raises(ValueError):
         PrefixEvent.from_dict(PrefixEvent.resync().to_dict())
+
+
+async def test_a_leases_salt_and_hidden_head_round_trip(stores: Stores, make_record: Any) -> None:
+    """Issue 34, item 2: a lease on a published prefix keeps the request's two-part salt (so every replica pins the
+    blocks its requests hit) and how many leading tokens its owner may not read; a one-part salt is written as the
+    plain string older replicas read."""
+    a, b = stores
+    lease = make_record("pck-1", list(range(64)), owner="t", salt=((0, "published:sys"), (2, "tenant:t")),
+                        hidden_tokens=40)
+    named = make_record("named", list(range(32)), owner="t", salt=((0, "tenant:t"),))
+    for rec in (lease, named):
+        await a.put(rec, origin="ra")
+        got = await b.get(FP, rec.key)
+        assert got == rec and got is not None and got.salt == rec.salt and got.hidden_tokens == rec.hidden_tokens
+    assert named.to_dict()["salt"] == "tenant:t" and lease.to_dict()["salt"] == [[0, "published:sys"], [2, "tenant:t"]]
+    assert PrefixRecord.from_dict({**named.to_dict(), "salt": None, "hidden_tokens": None}).salt == ()
