@@ -141,8 +141,9 @@ async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, caller:
     """parse -> prefix -> limits -> tokenize -> salt (the module docstring's stages). A body of
     --large-body-bytes or more takes the large bodies' tokenizer thread (service/tokenizer_threads.py); an
     object (a WebSocket message, a Responses conversation) goes by `size`, the bytes it came from (unknown:
-    the tokenizer thread). A named prefix's tokens are hidden (`Prepared.hidden`) from whatever the answer
-    shows of the prompt, unless the caller may read its source (an admin, or its own tenant's)."""
+    the tokenizer thread). A named prefix's tokens the caller may not read (prefix_store/access.py: a published
+    prefix's for a user, a lease's published head) are hidden (`Prepared.hidden`) from whatever the answer
+    shows of the prompt."""
     config, run = ready.config, ready.tokenizers.run
     size = len(raw) if isinstance(raw, bytes) else (size or 0)
     tokenizer = ready.engine.tokenizer
