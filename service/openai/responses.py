@@ -38,7 +38,7 @@ from service.errors import ApiError, invalid, to_api_error
 from service.middleware.access_log import record_usage
 from service.middleware.auth import presented_key
 from service.middleware.metrics import METRICS
-from service.openai import pipeline
+from service.openai import pipeline, prompt_cache
 from service.openai.generation import ChoiceDelta, Generation
 from service.openai.params import check_model
 from service.openai.pipeline import Prepared, read_body
@@ -138,7 +138,7 @@ def _chat_body(body: ResponsesRequest, history: list[dict[str, Any]]) -> dict[st
         if value is not None:
             chat[dst] = value
     if body.prompt_cache_options is not None:
-        chat["prompt_cache_options"] = body.prompt_cache_options.model_dump(exclude_none=True)
+        chat["prompt_cache_options"] = prompt_cache.chat_options(body)
     return chat
 
 
@@ -312,15 +312,18 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     gen = await pipeline.submit(prepared, request.app[METRICS])
     headers = pipeline.ignored_fields(ignored)
     rid, created = f"resp_{gen.id}", float(int(time.time()))
+    def keep(out: dict[str, Any]) -> None:      # the prompt-cache options' part first (service/openai/prompt_cache.py)
+        prompt_cache.finish(request, prepared, gen, body, rid, history + new, out)
+        _keep(store, owner, rid, out, history + new, body)
     try:
         if body.stream:
-            return await _stream(request, gen, prepared, body, rid, created, headers,
-                                 lambda out: _keep(store, owner, rid, out, history + new, body))
+            return await _stream(request, gen, prepared, body, rid, created, headers, keep)
         choices = await gen.collect()
+        await pipeline.leased(prepared)
         answer = _answer(prepared, choices[0])
         status = "incomplete" if answer.finish == "length" else "completed"
         out = _response(rid, created, ready.model_name, body, status, _items(answer), _usage(gen))
-        _keep(store, owner, rid, out, history + new, body)
+        keep(out)
         return web.json_response(out, headers=headers)
     finally:
         gen.close()
@@ -414,8 +417,10 @@ async def _stream(request: web.Request, gen: Generation, prepared: Prepared, bod
                     await ev.send("response.output_item.done", output_index=index, item=item)
                     items.append(item)
         status = "incomplete" if answer.finish == "length" else "completed"
+        await pipeline.leased(prepared)
         final = _response(rid, created, model, body, status, items, _usage(gen))
         keep(final)
+        status = final["status"]
         await ev.send("response.incomplete" if status == "incomplete" else "response.completed", response=final)
         await resp.write_eof()
     except ConnectionError:
