@@ -166,7 +166,7 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
     prewarm = bool(req.prompt_cache_options and req.prompt_cache_options.prewarm)
     if prewarm:
         max_tokens = 0
-    if max_tokens == 0 and not echo and req.prompt_cache_key is None:
+    if max_tokens == 0 and not echo and req.prompt_cache_key is None and not prewarm:
         raise invalid(f"{param} must be >= 1 (0 is for scoring a prompt with echo, or for writing it into the "
                       "cache with prompt_cache_key or prompt_cache_options.prewarm)", param)
     n = req.n or 1
