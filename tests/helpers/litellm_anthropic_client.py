@@ -12,7 +12,7 @@ import uuid
 import litellm
 
 base, name = sys.argv[1], sys.argv[2]
-kw = {"model": f"anthropic/{name}", "api_base": base, "api_key": "unused", "temperature": 0.0, "max_tokens": 16}
+kw = {"model": f"anthropic/{name}", "api_base": base, "api_key": "unused", "temperature": 0.0, "max_tokens": 12}
 ask = {"role": "user", "content": "What is the capital of France?"}
 out = {"text": litellm.completion(messages=[ask], **kw).choices[0].message.content}
 out["streamed"] = "".join(c.choices[0].delta.content or "" for c in litellm.completion(messages=[ask], stream=True,
@@ -21,7 +21,7 @@ weather = {"type": "function", "function": {"name": "get_weather", "description"
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
 called = litellm.completion(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[weather],
-                            tool_choice="required", **{**kw, "max_tokens": 48})
+                            tool_choice="required", **{**kw, "max_tokens": 32})
 out["tool"] = called.choices[0].message.tool_calls[0].function.name
 system = {"role": "system", "content": [{"type": "text", "text": f"Desk {uuid.uuid4().hex[:6]}. " + "Be brief. " * 40,
                                          "cache_control": {"type": "ephemeral"}}]}
