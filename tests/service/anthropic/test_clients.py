@@ -149,7 +149,8 @@ def test_pydantic_ai_anthropic_model(real_server: ServerThread) -> None:
         model = AnthropicModel(real_server.state.model_name, provider=provider)
         settings: Any = {"max_tokens": 32, "temperature": 0.0}
         plain = await Agent(model, model_settings=settings).run("What is the capital of France?")
-        city = await Agent(model, output_type=City, model_settings=settings).run("Which city is the capital of France?")
+        city = await Agent(model, output_type=City, model_settings={**settings, "max_tokens": 64}).run(
+            "Which city is the capital of France?")
         return plain.output, city.output
     plain, city = asyncio.run(run())
     assert "Paris" in plain and isinstance(city, City) and city.name
