@@ -7,7 +7,8 @@
     assistant text + tool_use blocks            an assistant message with tool_calls (arguments: the input, as JSON)
     thinking / redacted_thinking blocks         dropped
     tools {name, description, input_schema}     function tools
-    tool_choice auto | any | tool | none        "auto" | "required" | {"function": name} | "none";
+    tool_choice auto | any | tool | none        "auto" | "required" | {"function": name} | "none" ("any" with
+                                                one tool: that one, named: its input is generated directly);
                                                 disable_parallel_tool_use -> parallel_tool_calls false
     max_tokens, stop_sequences, temperature,    max_tokens, stop, temperature, top_p, top_k
     top_p, top_k
@@ -130,10 +131,12 @@ def chat_body(req: _Conversation) -> dict[str, Any]:
         body["tools"] = tools
     choice = req.tool_choice
     if choice is not None:
-        if choice.type == "tool":
-            if choice.name is None:
+        only = req.tools[0].name if req.tools and len(req.tools) == 1 and choice.type == "any" else None
+        if choice.type == "tool" or only is not None:
+            name = choice.name if only is None else only
+            if name is None:
                 raise invalid("tool_choice of type tool needs a name", "tool_choice")
-            body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+            body["tool_choice"] = {"type": "function", "function": {"name": name}}
         elif tools or choice.type != "none":
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
         if choice.disable_parallel_tool_use:
