@@ -27,6 +27,14 @@ $(CLIENTS): Makefile
 	.venv-clients/bin/python -m pip install -q "litellm>=1.50" mcp   # litellm imports mcp for tool calls
 	touch $(CLIENTS)
 
+# The JavaScript clients (the anthropic and openai SDKs, the Vercel AI SDK): a node project of their own, its
+# versions locked (tests/js/package-lock.json), driven by tests/service/anthropic/test_clients.py
+JS_CLIENTS := tests/js/node_modules/.installed
+$(JS_CLIENTS): tests/js/package.json tests/js/package-lock.json
+	@command -v npm >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; }
+	cd tests/js && npm ci --no-audit --no-fund --loglevel=error
+	touch $(JS_CLIENTS)
+
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
@@ -36,7 +44,7 @@ chromium:
 serve: $(STAMP)
 	$(VENV)/bin/prefixserve serve
 
-test: $(STAMP) $(CLIENTS) redis chromium
+test: $(STAMP) $(CLIENTS) $(JS_CLIENTS) redis chromium
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --durations=10
 
 lint: $(STAMP)
@@ -47,4 +55,4 @@ test-slow: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) .venv-clients
+	rm -rf $(VENV) .venv-clients tests/js/node_modules

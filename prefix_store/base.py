@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol
 
 EventKind = Literal["registered", "deleted", "resync"]
 SOURCE_KEYS = ("prompt", "messages", "token_ids")
-PrefixKind = Literal["named", "cache_key"]      # registered by name, or a prompt_cache_key's lease
+PrefixKind = Literal["named", "cache_key", "cache_control"]   # by name; a prompt_cache_key's lease; a breakpoint's
 Salt = tuple[tuple[int, str], ...]
 """The cache salt a prefix's blocks are hashed with: (block index, key) pairs in ascending block order, the
 engine's CacheSalt (engine/kv/block_pool.py). A named prefix has one key at block 0 (or none); a lease has

@@ -10,6 +10,10 @@ A `prompt_cache_key` is a lease of kind "cache_key" on the common prefix of the 
 their tenant (`cache_key`). It pins those tokens under the cache salt their requests ran with (so they
 hit it), and records only what its tenant may read: after a published prefix the request named, the
 tokens past that prefix (`PrefixRecord.hidden_tokens`: the prefix's are pinned, never shown).
+A `cache_control` breakpoint (Anthropic's Messages API) and a pre-warm are leases of kind "cache_control"
+on the prompt's tokens up to it (`content`): named by a digest of those tokens and their salt, so the same
+prefix sent again is the same lease (its end moved), another prefix another lease; the same two rules
+(the request's salt, only what its tenant may read) hold for them.
 
 NOTE: a friend of PrefixRegistry: it runs under the registry's lock and through its local view, shielded
 operations and caps, on the event loop like the registry.
@@ -121,6 +125,34 @@ class Leases:
                               owner=owner, salt=salt, kind="cache_key", ttl_seconds=ttl_seconds,
                               expires_at=time.time() + ttl_seconds, hidden_tokens=hidden)
         await reg.shielded(self._replace(record))
+
+    async def content(self, owner: str | None, salt: Salt, token_ids: list[int], ttl_seconds: float,
+                      hidden: int = 0) -> str | None:
+        """Holds `token_ids`' full blocks pinned for `ttl_seconds` after their last use, as a lease of tenant
+        `owner`; the same tokens (and salt) held already: the lease's end moves (to the longer of its TTL and
+        this one). `salt` and `hidden` as for `cache_key`. Returns the lease's key, None for less than a block.
+        Raises what registering raises."""
+        reg = self.registry
+        b = reg.engine.block_size
+        tokens = list(token_ids[:len(token_ids) // b * b])
+        if not tokens:
+            return None
+        digest = hashlib.sha256(f"{salt!r}|{','.join(map(str, tokens))}".encode()).hexdigest()[:32]
+        name = "cc-" + digest
+        key = name if owner is None else f"{owner}/{name}"
+        entry = reg.local.get(key)
+        if entry is not None and not entry.record.expired(time.time()):
+            if (entry.record.ttl_seconds or 0) < ttl_seconds:
+                entry.record = dataclasses.replace(entry.record, ttl_seconds=ttl_seconds, expires_at=None)
+            self.refresh(entry)
+            return key
+        hidden = min(hidden, len(tokens))
+        record = PrefixRecord(name=name, fingerprint=reg.fingerprint, token_ids=tokens,
+                              source={"token_ids": tokens[hidden:]}, tokenizer_version=reg.engine.tokenizer_version,
+                              owner=owner, salt=salt, kind="cache_control", ttl_seconds=ttl_seconds,
+                              expires_at=time.time() + ttl_seconds, hidden_tokens=hidden)
+        await reg.shielded(self._replace(record))
+        return key
 
     async def _replace(self, record: PrefixRecord) -> None:
         """Pins `record`, stores it over whatever its key held, then unpins what that was."""

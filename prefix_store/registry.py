@@ -383,7 +383,7 @@ class PrefixRegistry:
             # what it was registered from (not secret: the source itself is admin-only): chat can only name a
             # prefix registered with messages
             "kind": "messages" if record.source.get("messages") is not None else "prompt",
-            "type": "prompt_cache_key" if record.kind == "cache_key" else "named",
+            "type": {"cache_key": "prompt_cache_key", "cache_control": "cache_control"}.get(record.kind, "named"),
             "published": record.owner is None, "owner": record.owner,
             "ttl_seconds": record.ttl_seconds,
             "expires_at": None if record.expires_at is None else int(record.expires_at),

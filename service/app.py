@@ -20,6 +20,8 @@ from aiohttp import web
 from engine.config import EngineConfig
 from prefix_store import MemoryPrefixStore, PrefixStore, StoreUnavailable
 from prefix_store.registry import CLOSE_TIMEOUT_S, PrefixRegistry
+from service import cache_diagnosis
+from service.anthropic import messages as anthropic_messages
 from service.config import ServiceConfig
 from service.errors import error_middleware
 from service.middleware import access_log, auth, cross_site, security_headers
@@ -55,6 +57,8 @@ def create_app(config: ServiceConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions.create_completion)
     app.router.add_post("/v1/chat/completions", chat.create_chat_completion)
     responses.setup(app)
+    anthropic_messages.setup(app)
+    cache_diagnosis.setup(app)
     app.router.add_get("/v1/models", status.list_models)
     app.router.add_get("/v1/models/{model}", status.get_model)
     app.router.add_get("/version", status.version)

@@ -102,6 +102,27 @@ def to_api_error(exc: ApiError | EngineError | RegistryError) -> ApiError:
 
 _HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
 
+# Anthropic's Messages API answers its errors in its own shape: {"type": "error", "error": {"type", "message"}},
+# the type by status (its documented list); 503 and 507 are its overloaded_error (529 there).
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 507: "overloaded_error"}
+
+
+def anthropic_error_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+
+
+def _answer(request: web.Request, err: ApiError) -> web.Response:
+    """The error in the shape of the API the request was for."""
+    if not request.path.startswith(ANTHROPIC_PATHS):
+        return err.response()
+    message = err.message if err.param is None or err.param in err.message else f"{err.param}: {err.message}"
+    return web.json_response({"type": "error", "error": {"type": anthropic_error_type(err.status),
+                                                         "message": message}},
+                             status=err.status, headers=err.headers)
+
 
 @web.middleware
 async def error_middleware(request: web.Request,
@@ -109,7 +130,7 @@ async def error_middleware(request: web.Request,
     try:
         return await handler(request)
     except (ApiError, EngineError, RegistryError) as exc:
-        return to_api_error(exc).response()
+        return _answer(request, to_api_error(exc))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -117,8 +138,8 @@ async def error_middleware(request: web.Request,
         if exc.status == 413:
             message = f"request body too large (limit {request.client_max_size} bytes)"
         headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
-        return ApiError(exc.status, message, type=_HTTP_TYPES.get(exc.status, "invalid_request_error"),
-                        code=str(exc.status), headers=headers).response()
+        return _answer(request, ApiError(exc.status, message, type=_HTTP_TYPES.get(exc.status, "invalid_request_error"),
+                                         code=str(exc.status), headers=headers))
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return ApiError(500, "internal server error", type="internal_error", code="internal_error").response()
+        return _answer(request, ApiError(500, "internal server error", type="internal_error", code="internal_error"))

@@ -1,8 +1,8 @@
 """API keys: who may call what, decided once per request by one middleware.
 
 Keys come from `--api-key` and `--admin-key` (several each). A request presents one as
-`Authorization: Bearer <key>` (what the OpenAI clients send). A browser cannot set headers on a
-WebSocket, so the upgrade of GET /v1/ws may instead offer the key as the subprotocol
+`Authorization: Bearer <key>` (what the OpenAI clients send) or `x-api-key: <key>` (Anthropic's). A browser
+cannot set headers on a WebSocket, so the upgrade of GET /v1/ws may instead offer the key as the subprotocol
 `openai-insecure-api-key.<key>` (OpenAI's Realtime API convention) next to `prefixserve`, which is
 the protocol the server selects; the key protocol is never echoed. No key in the URL: query strings
 end up in proxy logs.
@@ -112,6 +112,9 @@ def _presented(request: web.Request) -> str | None:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
+    api_key = request.headers.get("x-api-key", "").strip()     # Anthropic's clients send it so
+    if api_key:
+        return api_key
     if request.headers.get("Upgrade", "").lower() == "websocket":
         for proto in request.headers.get("Sec-WebSocket-Protocol", "").split(","):
             proto = proto.strip()

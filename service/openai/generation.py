@@ -32,6 +32,7 @@ class ChoiceDelta:
     finish_reason: str | None       # set on a choice's last delta
     logprobs: list[dict[int, float] | None] | None = None   # per token of this delta, when asked for
                                                             # (None for an echoed prompt's first token)
+    stop_reason: str | int | None = None    # with finish_reason "stop": the stop string or token id that matched
 
 
 @dataclass
@@ -80,6 +81,14 @@ class Generation:
     def shown_prompt(self, i: int) -> list[int]:
         """Prompt i's tokens as the caller may see them (what echo, prompt token ids and logprobs show)."""
         return self.prompts[i][self._hidden[i]:]
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens read from the prefix cache: as the engine told so far, all of them once every request
+        has ended."""
+        if len(self._done) == len(self.prompts):
+            return self.usage.cached_tokens
+        return sum(self._cached.values())
 
     @property
     def num_choices(self) -> int:
@@ -141,7 +150,7 @@ class Generation:
             if o.finish_reason is not None:
                 self._finished.add(index)
             d = ChoiceDelta(index, o.text, list(o.token_ids), o.finish_reason,
-                            list(o.logprobs) if o.logprobs is not None else None)
+                            list(o.logprobs) if o.logprobs is not None else None, o.stop_reason)
             if self._echo is not None and index not in self._echoed:
                 self._echoed.add(index)
                 d.text = self._echo[prompt] + d.text

@@ -38,6 +38,7 @@ class GenerationRequest:
     cache_salt: str | None = None   # the client's, narrowing its tenant's cache (service/tenants.py)
     cache_key: str | None = None    # prompt_cache_key: lease the common prefix of its prompts
     cache_ttl: float | None = None  # the lease's length asked for (retention / options.ttl), None: the default
+    prewarm: bool = False           # prompt_cache_options.prewarm: only write the prompt into the cache
 
 
 @dataclass
@@ -162,9 +163,12 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
     param = "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
-    if max_tokens == 0 and not echo and req.prompt_cache_key is None:
+    prewarm = bool(req.prompt_cache_options and req.prompt_cache_options.prewarm)
+    if prewarm:
+        max_tokens = 0
+    if max_tokens == 0 and not echo and req.prompt_cache_key is None and not prewarm:
         raise invalid(f"{param} must be >= 1 (0 is for scoring a prompt with echo, or for writing it into the "
-                      "cache with prompt_cache_key)", param)
+                      "cache with prompt_cache_key or prompt_cache_options.prewarm)", param)
     n = req.n or 1
     if n > max_choices:
         raise invalid(f"n must be within [1, {max_choices}]", "n")
@@ -205,7 +209,7 @@ def to_generation(req: CompletionRequest | ChatCompletionRequest, *, max_choices
                              continuous_usage=bool(options and options.continuous_usage_stats),
                              return_token_ids=bool(req.return_token_ids), prefix=req.prefix, user=req.user,
                              echo=echo, tools=plan, cache_salt=req.cache_salt, cache_key=req.prompt_cache_key,
-                             cache_ttl=cache_ttl(req))
+                             cache_ttl=cache_ttl(req), prewarm=prewarm)
 
 
 _TTL_UNITS = {"s": 1, "m": 60, "h": 3600}

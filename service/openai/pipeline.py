@@ -22,7 +22,8 @@ the router's render all take the same stages, in this order, each stage in one m
 
 When a request with `prompt_cache_key` ends, its prompt's common prefix with the key's earlier prompts is
 leased (prefix_store/leases.py): a whole answer waits for the lease (so `max_tokens: 0` warms the
-cache and says so), a stream does not.
+cache and says so), a stream does not. So are a request's `holds` (Anthropic's cache_control breakpoints:
+its prompt's first N tokens, for a TTL) and a pre-warm's prompt (`prompt_cache_options.prewarm`).
 
 A surface hands the pipeline only its shaping (a Shaper: the frames of a stream, the body of a whole
 answer): on its way to the engine a request enters each module once. Chat and completions take `serve`;
@@ -94,7 +95,11 @@ class Prepared:
     ready: Ready
     caller: Caller
     prefix: PrefixSnapshot | None = None
-    lease: asyncio.Task[None] | None = None     # the prompt_cache_key lease, once the generation ended
+    lease: asyncio.Task[None] | None = None     # the leases it asked for, once the generation ended
+    # (tokens, ttl seconds): its prompt's first `tokens` held as a lease (cache_control breakpoints); `held`:
+    # each one's lease key, None where the caps refused it, filled in by the lease task
+    holds: list[tuple[int, float]] = field(default_factory=list)
+    held: list[str | None] = field(default_factory=list)
     hidden: list[int] = field(default_factory=list)
     foreign: list[int] = field(default_factory=list)
     echo: list[str] | None = None       # completions' echo: each prompt's text as the caller may see it
@@ -236,25 +241,42 @@ def _on_finish(prepared: Prepared) -> Callable[[Usage], Any] | None:
     """When a request ends: one that named a prefix is counted against it (the per-prefix metrics, its
     lease); one with prompt_cache_key leases its prompt's common prefix with the key's earlier ones."""
     registry, prefix, req = prepared.ready.registry, prepared.prefix, prepared.req
-    if registry is None or (prefix is None and req.cache_key is None):
+    ttl = req.cache_ttl or prepared.ready.config.prompt_cache_ttl
+    if req.prewarm and req.cache_key is None and not prepared.holds and prepared.prompts:
+        prepared.holds = [(len(prepared.prompts[0]), ttl)]     # a pre-warm without a key holds its whole prompt
+    if registry is None or (prefix is None and req.cache_key is None and not prepared.holds):
         return None
 
     def finished(usage: Usage) -> None:
         if prefix is not None:
             registry.record_use(prefix.key, usage.cached_tokens)
-        if req.cache_key is not None and prepared.prompts:
-            ttl = req.cache_ttl or prepared.ready.config.prompt_cache_ttl
+        if (req.cache_key is not None or prepared.holds) and prepared.prompts:
             prepared.lease = asyncio.create_task(_lease(registry, prepared, req.cache_key, ttl))
     return finished
 
 
-async def _lease(registry: PrefixRegistry, prepared: Prepared, key: str, ttl: float) -> None:
+async def _lease(registry: PrefixRegistry, prepared: Prepared, key: str | None, ttl: float) -> None:
     """Best effort: a lease the caps refuse (pinned blocks, prefixes per tenant) leaves the cache as it is."""
+    caller, prompt = prepared.caller, prepared.prompts[0]
+    salt, foreign = prepared.req.params.cache_salt, prepared.foreign[0]
     try:
-        await registry.leases.cache_key(prepared.caller.owner, prepared.req.params.cache_salt, key,
-                                       prepared.prompts[0], ttl, prepared.foreign[0])
+        if key is not None:
+            await registry.leases.cache_key(caller.owner, salt, key, prompt, ttl, foreign)
     except (EngineError, RegistryError) as exc:
         log.info("prompt_cache_key lease not kept: %s", exc)
+    prepared.held = []
+    for tokens, hold_ttl in prepared.holds:
+        try:
+            prepared.held.append(await registry.leases.content(caller.owner, salt, prompt[:tokens], hold_ttl, foreign))
+        except (EngineError, RegistryError) as exc:
+            log.info("cache_control lease not kept: %s", exc)
+            prepared.held.append(None)
+
+
+async def leased(prepared: Prepared) -> None:
+    """Waits for the leases a finished request asked for (none: returns at once)."""
+    if prepared.lease is not None:
+        await asyncio.shield(prepared.lease)
 
 
 async def submit(prepared: Prepared, metrics: Metrics) -> Generation:
@@ -303,8 +325,7 @@ async def answer(request: web.Request, prepared: Prepared, shape: Shaper,
             return await sse.stream(request, gen, shape.frames(gen), config.keepalive_interval,
                                     config.write_timeout, headers)
         choices = await gen.collect()
-        if prepared.lease is not None:
-            await asyncio.shield(prepared.lease)
+        await leased(prepared)
         text = await sse.shaped(sum(len(c.token_ids) for c in choices), lambda: sse.dumps(shape.body(gen, choices)))
         return web.json_response(text=text, headers=headers)
     finally:

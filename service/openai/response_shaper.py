@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.errors import ApiError
-from service.openai import sse
+from service.openai import pipeline, sse
 from service.openai.generation import ChoiceDelta, Generation
-from service.openai.pipeline import Prepared
 from service.openai.schema import ResponsesRequest
 
 
@@ -35,7 +34,8 @@ class _Answer:
 
 
 class ResponsesShaper:
-    def __init__(self, prepared: Prepared, body: ResponsesRequest, keep: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, prepared: pipeline.Prepared, body: ResponsesRequest,
+                 keep: Callable[[Generation, dict[str, Any]], None]) -> None:
         self.prepared, self.request, self.keep = prepared, body, keep
 
     def response(self, gen: Generation, status: str, output: list[dict[str, Any]],
@@ -67,7 +67,7 @@ class ResponsesShaper:
     def finished(self, gen: Generation, answer: _Answer, output: list[dict[str, Any]]) -> dict[str, Any]:
         """The final response object, kept (the store) before it is sent."""
         out = self.response(gen, "incomplete" if answer.finish == "length" else "completed", output, usage(gen))
-        self.keep(out)
+        self.keep(gen, out)
         return out
 
     def body(self, gen: Generation, choices: list[ChoiceDelta]) -> dict[str, Any]:
@@ -98,6 +98,9 @@ class ResponseEvents:
         shell = self.shaper.response(self.gen, "in_progress", [], None)
         return self.event("response.created", response=shell) + self.event("response.in_progress", response=shell)
 
+    def keepalive(self) -> bytes:
+        return sse.KEEPALIVE
+
     def delta(self, d: ChoiceDelta) -> bytes:
         if d.index != 0:
             return b""
@@ -110,7 +113,8 @@ class ResponseEvents:
         return out + self.event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
                                 delta=d.text, logprobs=[])
 
-    def closing(self) -> bytes:
+    async def closing(self) -> bytes:
+        await pipeline.leased(self.shaper.prepared)     # a pre-warm's count of written tokens is final then
         answer = self.shaper.answer(ChoiceDelta(0, self.text, [], self.finish))
         out, output = b"", []
         if self.live:

@@ -26,7 +26,8 @@ from aiohttp import web
 
 from service.errors import ApiError, invalid
 from service.middleware.auth import presented_key
-from service.openai import pipeline
+from service.openai import pipeline, prompt_cache
+from service.openai.generation import Generation
 from service.openai.params import check_model
 from service.openai.pipeline import read_body
 from service.openai.response_shaper import ResponsesShaper
@@ -124,7 +125,7 @@ def _chat_body(body: ResponsesRequest, history: list[dict[str, Any]]) -> dict[st
         if value is not None:
             chat[dst] = value
     if body.prompt_cache_options is not None:
-        chat["prompt_cache_options"] = body.prompt_cache_options.model_dump(exclude_none=True)
+        chat["prompt_cache_options"] = prompt_cache.chat_options(body)
     return chat
 
 
@@ -173,7 +174,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             exc.param = _PARAMS.get(exc.param or "", exc.param)
             raise
     tenant = caller.tenant or ""
-    shaper = ResponsesShaper(prepared, body, lambda out: _keep(store, owner, tenant, out, history + new, body))
+
+    def keep(gen: Generation, out: dict[str, Any]) -> None:   # the prompt-cache options' part first (prompt_cache.py)
+        prompt_cache.finish(request, prepared, gen, body, out["id"], history + new, out)
+        _keep(store, owner, tenant, out, history + new, body)
+    shaper = ResponsesShaper(prepared, body, keep)
     return await pipeline.answer(request, prepared, shaper, pipeline.ignored_fields(ignored))
 
 

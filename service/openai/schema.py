@@ -192,6 +192,11 @@ CacheTtl = Annotated[str, Field(pattern=r"^[1-9][0-9]{0,6}[smh]$")]     # "30m" 
 class PromptCacheOptions(_Strict):
     mode: Literal["implicit", "explicit"] | None = None                 # no effect: every prompt is cached
     ttl: CacheTtl | None = None
+    prewarm: bool | None = None     # only write the prompt into the cache (max_tokens 0), held as a lease
+
+
+class ResponsesPromptCacheOptions(PromptCacheOptions):
+    comparison_response_id: NonEmptyStr | None = None   # diagnose a miss against that response (prompt_cache.py)
 
 
 class _PromptCache(_Strict):
@@ -326,6 +331,7 @@ class ResponseTextConfig(_Strict):
 
 
 class ResponsesRequest(_PromptCache):
+    prompt_cache_options: ResponsesPromptCacheOptions | None = None
     model: str | None = None
     input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_INPUT_ITEMS)]
     instructions: str | None = None

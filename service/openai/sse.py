@@ -125,7 +125,9 @@ class Frames(Protocol):
 
     def delta(self, d: ChoiceDelta) -> bytes: ...   # one delta of the generation
 
-    def closing(self) -> bytes: ...                 # after the last delta
+    def keepalive(self) -> bytes: ...               # while the model is quiet (an SSE comment, or an event)
+
+    async def closing(self) -> bytes: ...           # after the last delta
 
     def failed(self, error: ApiError) -> bytes: ... # instead of closing(): a failure after the headers
 
@@ -141,10 +143,13 @@ class DataFrames:
     def opening(self) -> bytes:
         return b""
 
+    def keepalive(self) -> bytes:
+        return KEEPALIVE
+
     def delta(self, d: ChoiceDelta) -> bytes:
         return b"".join(event(c) for c in self.chunks(d))
 
-    def closing(self) -> bytes:
+    async def closing(self) -> bytes:
         if self.usage_chunk is None:
             return DONE
         return event({**self.usage_chunk, "usage": self.gen.usage.as_dict()}) + DONE
@@ -170,10 +175,10 @@ async def stream(request: web.Request, gen: Generation, frames: Frames, keepaliv
             await resp.write(opening)
         async for delta in gen.events(keepalive):
             if delta is None:
-                await resp.write(KEEPALIVE)
+                await resp.write(frames.keepalive())
                 continue
             await resp.write(await shaped(len(delta.token_ids), frames.delta, delta))
-        tail = frames.closing()
+        tail = await frames.closing()
     except EngineError as exc:  # headers are sent: the error travels as one more event
         tail = frames.failed(to_api_error(exc))
     except ConnectionError:     # the client went away between two events

@@ -12,6 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from service.anthropic import schema as anthropic_schema
 from service.openai import schema
 from service.openai.params import UNSUPPORTED_FIELDS
 from service.routes import worker_api
@@ -20,7 +21,8 @@ from service.state import STATE
 _REF = "#/components/schemas/{model}"
 _MODELS: list[type[BaseModel]] = [schema.CompletionRequest, schema.ChatCompletionRequest, schema.ResponsesRequest,
                                   schema.PrefixRequest, schema.PrefixPatch,
-                                  schema.TokenizeCompletion, schema.TokenizeChat, schema.DetokenizeRequest]
+                                  schema.TokenizeCompletion, schema.TokenizeChat, schema.DetokenizeRequest,
+                                  anthropic_schema.MessagesRequest, anthropic_schema.CountTokensRequest]
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -31,6 +33,16 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
 def _errors(*codes: int) -> dict[str, Any]:
     ref = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     return {str(c): {"description": "error", "content": ref} for c in codes}
+
+
+_ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+
+
+def _anthropic_errors(*codes: int) -> dict[str, Any]:
+    ref = {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}}
+    return {str(c): {"description": "error (Anthropic's shape)", "content": ref} for c in codes}
 
 
 def _body(model: str | list[str]) -> dict[str, Any]:
@@ -71,6 +83,12 @@ def _narrow(schemas: dict[str, Any], model: str, max_choices: int, max_model_len
             for field in ("max_tokens", "max_completion_tokens"):
                 if field in props:
                     props[field]["anyOf"][0]["maximum"] = max_model_len
+    for name in ("MessagesRequest", "CountTokensRequest"):      # Anthropic's: `model` is required
+        props = schemas[name]["properties"]
+        if model:
+            props["model"] = {"type": "string", "enum": [model], "description": "the served model name"}
+        if max_model_len and "max_tokens" in props:
+            props["max_tokens"]["maximum"] = max_model_len
 
 
 def spec(model: str, max_choices: int, max_model_len: int | None, version: str = "0.1.0") -> dict[str, Any]:
@@ -78,6 +96,7 @@ def spec(model: str, max_choices: int, max_model_len: int | None, version: str =
     schemas = top["$defs"]
     _narrow(schemas, model, max_choices, max_model_len)
     schemas["Error"] = _ERROR
+    schemas["AnthropicError"] = _ANTHROPIC_ERROR
     return {
         "openapi": "3.1.0",
         "info": {"title": "prefixserve", "version": version,
@@ -96,6 +115,18 @@ def spec(model: str, max_choices: int, max_model_len: int | None, version: str =
                         "responses": {"200": _answer("the response"), **_errors(404, 503)}},
                 "delete": {"summary": "Delete a stored response",
                            "responses": {"200": _answer("deleted"), **_errors(404, 503)}}},
+            "/v1/messages": {"post": {
+                "summary": "Anthropic's Messages API: a message (text or tool_use blocks), whole or as its events; "
+                           "cache_control breakpoints held as leases (x-api-key or Authorization: Bearer)",
+                "requestBody": _body("MessagesRequest"),
+                "responses": {"200": {"description": "the message, or its events when stream is true",
+                                      "content": {"application/json": {"schema": {"type": "object"}},
+                                                  "text/event-stream": {"schema": {"type": "string"}}}},
+                              **_anthropic_errors(400, 401, 404, 413, 429, 503)}}},
+            "/v1/messages/count_tokens": {"post": {
+                "summary": "The prompt tokens a Messages request would run ({\"input_tokens\"})",
+                "requestBody": _body("CountTokensRequest"),
+                "responses": {"200": _answer("the count"), **_anthropic_errors(400, 401, 404, 413, 503)}}},
             "/v1/models": _get("The served model", "application/json", 503),
             "/v1/models/{model}": {
                 "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],

@@ -48,7 +48,7 @@ def test_no_server_errors(fuzz_target: ServerThread, tmp_path: Path) -> None:
     before = _answers(fuzz_target.url)     # /health said 503 while the model loaded
     spec = requests.get(f"{fuzz_target.url}/openapi.json", timeout=10).json()
     worker_paths = len(worker_api.GETS) + len(worker_api.POSTS)
-    assert spec["openapi"].startswith("3.") and len(spec["paths"]) == 16 + worker_paths
+    assert spec["openapi"].startswith("3.") and len(spec["paths"]) == 18 + worker_paths
     (tmp_path / "schemathesis.toml").write_text(CONFIG)
     proc = subprocess.run(
         [str(SCHEMATHESIS), "run", f"{fuzz_target.url}/openapi.json", "--checks", "not_a_server_error",

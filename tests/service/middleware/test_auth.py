@@ -38,6 +38,10 @@ def assert_401(resp: requests.Response) -> None:
     assert resp.headers["Content-Type"].startswith("application/json")
     if resp.request.method == "HEAD":
         return
+    if resp.request.path_url.startswith("/v1/messages"):      # Anthropic's shape there
+        body = resp.json()
+        assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+        return
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
 
