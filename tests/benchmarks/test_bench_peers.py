@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
+from argparse import Namespace
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from benchmarks.served.peers import bench, onednn, prompts, report
 from benchmarks.served.peers.contention import SPIN, busy_neighbour, cpu_seconds, run_contention
 from benchmarks.served.peers.loads import session_figures, sessions
 from benchmarks.served.peers.prompts import Session, SharedPrompt, Sizes, Workload, chat_len
-from benchmarks.served.peers.servers import Server
+from benchmarks.served.peers.servers import Server, make_servers
 from tests.helpers.server import ServerThread, tiny_config
 
 DATA = Path(__file__).parent / "data"
@@ -228,3 +230,21 @@ def read_or_empty(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:                                           # a process that ended while we looked
         return b""
+
+
+# -- servers ------------------------------------------------------------------------------------------------
+def test_every_server_gets_the_model_and_its_whole_context(tmp_path: Path) -> None:
+    gguf = str(tmp_path / "m.gguf")
+    args = Namespace(systems=["prefixserve", "vllm", "llama.cpp"], prefixserve_args=["--threads", "2"],
+                     vllm_python=sys.executable, llama_cpp_python=sys.executable, model=gguf)
+    servers, absent = make_servers(args, "/ckpt", gguf, 8192)
+    assert absent == {}
+    ours, vllm, llama = servers["prefixserve"].argv, servers["vllm"].argv, servers["llama.cpp"].argv
+    assert ours[ours.index("--model") + 1] == gguf and ours[-2:] == ["--threads", "2"]
+    assert vllm[vllm.index("--max-model-len") + 1] == "8192" and vllm[vllm.index("--model") + 1] == "/ckpt"
+    assert llama[llama.index("--n_ctx") + 1] == "8192" and llama[llama.index("--model") + 1] == gguf
+    args.model = None                                   # the built-in model: prefixserve's own default
+    servers, _ = make_servers(args, "/ckpt", gguf, 8192)
+    assert "--model" not in servers["prefixserve"].argv
+    servers, absent = make_servers(args, "/ckpt", "/ckpt", 2048)         # a checkpoint directory
+    assert "llama.cpp" not in servers and "not a GGUF" in absent["llama.cpp"]

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -126,13 +127,28 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench peers") -
     ap.add_argument("--prefixserve-args", nargs=argparse.REMAINDER, default=[],
                     help="extra `prefixserve serve` flags (last on the line)")
     ap.add_argument("--loadgen-prompts", type=int, default=60)
-    ap.add_argument("--model", default=None, help="a GGUF (default: the built-in model's)")
+    ap.add_argument("--model", default=None,
+                    help="a GGUF (default: the built-in model's), or a checkpoint directory (then no llama.cpp); "
+                         "every system serves it")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="one round")
     ap.add_argument("--smoke", action="store_true",
                     help="one round, few requests per workload: checks the harness, its figures are not results")
     args = ap.parse_args(argv)
+    # the servers run in sessions of their own: on SIGTERM unwind (each `finally` stops its server) rather than die
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return run(args, argv, prog)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run(args: argparse.Namespace, argv: list[str], prog: str) -> int:
     args.workloads = selected_workloads(args.workloads)
     sizes = SMOKE if args.smoke else Sizes()
     if args.quick or args.smoke:

