@@ -178,6 +178,8 @@ def test_ratios_only_between_systems_that_ran_in_the_same_round() -> None:
     assert "**llama.cpp: absent** (not configured)" in table
     only_ours, none = report.report(runs, ["prefixserve"], {})
     assert none == {} and "ours vs" not in only_ours
+    assert only_ours.splitlines()[:3] == ["| figure | prefixserve |", "|---|---:|",
+                                          "| offline throughput: 64 x 128 in / 128 out, at once | 250 tok/s |"]
 
 
 def test_contention_slowdown_reads_lower_is_better() -> None:

@@ -106,6 +106,11 @@ def run_system(server: Server, w: Workload, args: argparse.Namespace, vllm_pytho
     return figures
 
 
+def served_model(system: str, gguf: str, checkpoint: str) -> str:
+    """What each system loads: vLLM the float32 checkpoint our loader made (in bfloat16), the others the GGUF."""
+    return f"{Path(checkpoint).name} in bfloat16" if system == "vllm" else Path(gguf).name
+
+
 def model_context(checkpoint: str) -> int:
     """The model's positions (config.json's max_position_embeddings): every server is given all of them."""
     return int(json.loads((Path(checkpoint) / "config.json").read_text())["max_position_embeddings"])
@@ -213,8 +218,8 @@ def run(args: argparse.Namespace, argv: list[str], prog: str) -> int:
     notes = (f"\n\nMedians over {args.rounds if timed else 0} round(s), systems alternating; 1-minute load average "
              f"before each workload: " + "; ".join(f"{s} {json.dumps(v)}" for s, v in loads.items()) +
              "\n\nVersions: " + ", ".join(f"{s} {servers[s].version}" for s in servers) +
-             f". Model: {Path(gguf).name} (prefixserve, llama.cpp), {Path(checkpoint).name} in bfloat16 (vLLM); "
-             f"every server given the model's {context:,} positions.")
+             ". Model: " + "; ".join(f"{s} {served_model(s, gguf, checkpoint)}" for s in servers) +
+             f"; every server given the model's {context:,} positions.")
     if first is not None and any(n in args.workloads for n in ("long3k", "long8k")):
         notes += " Long system prompts: " + ", ".join(f"{k} {v:,} tokens" for k, v in first.system_tokens.items()) + "."
     if kernels:

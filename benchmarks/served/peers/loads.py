@@ -23,6 +23,8 @@ import time
 import urllib.request
 from typing import Any
 
+from tqdm import tqdm
+
 from benchmarks.served.peers.client import Timing, check, client_session, pct, request, run_requests
 from benchmarks.served.peers.prompts import (
     LONG_CONCURRENCY,
@@ -100,6 +102,7 @@ def run_many(server: Server, w: Workload) -> dict[str, float]:
 async def sessions(server: Server, chats: list[Session], max_tokens: int) -> tuple[list[list[Timing]], float]:
     """Every session at once, each turn after the previous answer: the history (system prompt, user turns
     and the server's own answers) resent whole every turn. (timings per session and turn, wall seconds)"""
+    bar = tqdm(total=sum(len(c.turns) for c in chats), desc="sessions", leave=False)
     async with client_session() as http:
         async def one(chat: Session) -> list[Timing]:
             history = [{"role": "system", "content": chat.system}]
@@ -109,6 +112,7 @@ async def sessions(server: Server, chats: list[Session], max_tokens: int) -> tup
                 r = await request(http, server, "/v1/chat/completions",
                                   {"messages": list(history), "max_tokens": max_tokens})
                 out.append(r)
+                bar.update(1)
                 if not r.ok:
                     break
                 history.append({"role": "assistant", "content": r.text})
@@ -116,7 +120,9 @@ async def sessions(server: Server, chats: list[Session], max_tokens: int) -> tup
 
         t = time.perf_counter()
         res = await asyncio.gather(*(one(c) for c in chats))
-        return list(res), time.perf_counter() - t
+        wall = time.perf_counter() - t
+    bar.close()
+    return list(res), wall
 
 
 def run_sessions(server: Server, w: Workload) -> dict[str, float]:

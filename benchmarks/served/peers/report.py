@@ -98,8 +98,8 @@ def report(runs: dict[str, list[dict[str, Any]]], systems: list[str],
     """(markdown table, ratios per peer per figure). `systems`: those that produced figures, ours first."""
     meds = medians(runs)
     peers = [s for s in systems if s != OURS] if OURS in systems else []
-    head = "| figure | " + " | ".join(systems) + " | " + " | ".join(f"ours vs {p}" for p in peers) + " |"
-    lines = [head, "|---|" + "---:|" * (len(systems) + len(peers))]
+    lines = ["| " + " | ".join(["figure", *systems, *(f"ours vs {p}" for p in peers)]) + " |",
+             "|---|" + "---:|" * (len(systems) + len(peers))]
     ratios: dict[str, dict[str, float | None]] = {p: {} for p in peers}
     for key, (label, higher, unit) in FIGURES.items():
         if not any(key in meds.get(s, {}) for s in systems):
@@ -109,7 +109,7 @@ def report(runs: dict[str, list[dict[str, Any]]], systems: list[str],
         for p in peers:
             r = ratios[p][key] = paired_ratio(runs, p, key, higher)
             rs.append("—" if r is None else (f"**{r:.2f}x**" if r >= 1 else f"{r:.2f}x"))
-        lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(rs) + " |")
+        lines.append("| " + " | ".join([label, *cells, *rs]) + " |")
     lines.append("")
     lines.append("Ratios: how many times better ours is (> 1: ours wins; for latencies and slowdowns theirs / ours), "
                  "the median of the per-round ratios over the rounds in which both systems produced the figure.")
