@@ -83,10 +83,12 @@ def run_system(server: Server, w: Workload, args: argparse.Namespace, vllm_pytho
         if server.name == "prefixserve":
             steps["shared_named"] = lambda: run_named(server, w, name)
         if server.name == "llama.cpp":
-            # vllm bench serve always sends vLLM's `ignore_eos` and `repetition_penalty`, which
-            # llama-cpp-python's server refuses (400 on every request, measured): no figure for it
-            figures.setdefault("failed", {})["loadgen"] = ("vllm bench serve sends ignore_eos and repetition_penalty, "
-                                                           "which llama-cpp-python's server refuses (400)")
+            if "loadgen" in args.workloads:
+                # vllm bench serve always sends vLLM's `ignore_eos` and `repetition_penalty`, which
+                # llama-cpp-python's server refuses (400 on every request, measured): no figure for it
+                figures.setdefault("failed", {})["loadgen"] = ("vllm bench serve sends ignore_eos and "
+                                                               "repetition_penalty, which llama-cpp-python's "
+                                                               "server refuses (400)")
         else:
             steps["loadgen"] = lambda: run_loadgen(server, w.loadgen_seed, vllm_python, checkpoint,
                                                    args.loadgen_prompts)
@@ -220,8 +222,9 @@ def run(args: argparse.Namespace, argv: list[str], prog: str) -> int:
              "\n\nVersions: " + ", ".join(f"{s} {servers[s].version}" for s in servers) +
              ". Model: " + "; ".join(f"{s} {served_model(s, gguf, checkpoint)}" for s in servers) +
              f"; every server given the model's {context:,} positions.")
-    if first is not None and any(n in args.workloads for n in ("long3k", "long8k")):
-        notes += " Long system prompts: " + ", ".join(f"{k} {v:,} tokens" for k, v in first.system_tokens.items()) + "."
+    longs = {k: v for k, v in (first.system_tokens if first else {}).items() if k in timed}
+    if longs:
+        notes += " Long system prompts: " + ", ".join(f"{k} {v:,} tokens" for k, v in longs.items()) + "."
     if kernels:
         notes += "\n\n### oneDNN kernels by GEMM shape (ONEDNN_VERBOSE=1, a short run per system)\n\n"
         notes += onednn.table(kernels)
