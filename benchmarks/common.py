@@ -66,7 +66,7 @@ def command_line(prog: str, argv: Sequence[str]) -> str:
 def machine() -> dict[str, Any]:
     import torch
     info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "cpu": _cpu_name(), "torch_threads": torch.get_num_threads()}
+                            "cpu": _cpu_name(), "cpu_info": cpu_info(), "torch_threads": torch.get_num_threads()}
     try:
         import triton
         info["triton"] = triton.__version__
@@ -88,6 +88,51 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# The matrix and vector extensions that decide which GEMM kernels a CPU gets: /proc/cpuinfo flag -> name.
+ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX-512-BF16", "avx512_vnni": "AVX-512-VNNI",
+             "avx_vnni": "AVX-VNNI", "amx_tile": "AMX", "amx_bf16": "AMX-BF16", "amx_int8": "AMX-INT8"}
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
+    """The CPU's name, vendor, family / model / stepping numbers and which of ISA_FLAGS it has, from the
+    first processor of /proc/cpuinfo (or the text given); plus the kernel level torch's CPU dispatch chose."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break                                   # the first processor is enough
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    info: dict[str, Any] = {"name": fields.get("model name") or platform.processor() or platform.machine(),
+                            "vendor": fields.get("vendor_id", ""), "family": fields.get("cpu family", ""),
+                            "model": fields.get("model", ""), "stepping": fields.get("stepping", ""),
+                            "isa": {name: flag in flags for flag, name in ISA_FLAGS.items()}}
+    try:
+        import torch
+        info["torch_capability"] = torch.backends.cpu.get_cpu_capability()
+    except (ImportError, AttributeError):
+        info["torch_capability"] = None
+    return info
+
+
+def cpu_line(info: dict[str, Any], cores: int | None = None) -> str:
+    """`AMD EPYC (AuthenticAMD family 25 model 1 stepping 1), 2 cores; ISA: AVX2 yes, AVX-512 no, ...`."""
+    ident = " ".join(x for x in (info["vendor"], info["family"] and f"family {info['family']}",
+                                 info["model"] and f"model {info['model']}",
+                                 info["stepping"] and f"stepping {info['stepping']}") if x)
+    isa = ", ".join(f"{name} {'yes' if has else 'no'}" for name, has in info["isa"].items())
+    torch_level = f"; torch's CPU kernels: {info['torch_capability']}" if info.get("torch_capability") else ""
+    return (f"{info['name']}" + (f" ({ident})" if ident else "") + (f", {cores} cores" if cores else "") +
+            f"; ISA: {isa}{torch_level}")
 
 
 def sharegpt_like_lengths(n: int, seed: int, mean_in: float = 161, mean_out: float = 338, scale: float = 1.0,
