@@ -124,4 +124,13 @@ void prefixserve_silu_mul(const uint16_t* gu, int64_t gu_stride, uint16_t* y, in
     }
 }
 
+// The loops this build runs for silu_mul: "avx512_bf16", else "vectorized" (the compiler's, libmvec's expf).
+const char* prefixserve_fused_path() {
+#if defined(PREFIXSERVE_BF16)
+    return "avx512_bf16";
+#else
+    return "vectorized";
+#endif
+}
+
 }  // extern "C"

@@ -17,36 +17,24 @@ named prefix against inline): not worth 2-5% of a step.
 The plan is a list of items (members, blocks [b0, b1)): every sequence's blocks are covered exactly once
 for it, by its own items or by the shared items of its cascade group. Cascading changes only the order in
 which a sequence's partial softmax sums are merged: the result agrees with the plain plan within float32
-rounding (tested), not bit for bit.
+rounding (tested), not bit for bit. So does the split: by default a sequence is cut into as many items as
+keep every thread busy (a function of the batch and the thread count); `split_blocks` cuts every sequence
+into items of that many blocks instead, and without cascade a sequence's output is then a function of its
+own context only, bit for bit, whatever else the step holds (the batch-invariant mode, tested).
 """
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
-
-from kernels.cpu.build import load
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIN_BLOCKS_PER_SPLIT = 4     # a split of fewer blocks costs more to merge than it saves
 MIN_SHARED_BLOCKS = 2        # a shared run of fewer blocks is read by each sequence itself
 MAX_MEMBERS = 16             # sequences per cascade item (the kernel's bound); a larger group takes several
 ITEMS_PER_THREAD = 4         # enough items that dynamic scheduling evens out their lengths
-
-
-@functools.cache
-def _fn() -> Any:
-    lib = load("paged_decode")
-    f = lib.prefixserve_paged_decode
-    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    f.argtypes = [p, p, p, i64, i64, i64, i64, p, p, p, p, i64, p, p, i, i, i, i, i, ctypes.c_float,
-                  i64, i64, i64, i64, i64, i64, i, p, i, p]
-    f.restype = ctypes.c_int
-    return f
 
 
 @dataclass(frozen=True)
@@ -62,9 +50,11 @@ class DecodePlan:
 
 
 def plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor | None, block_size: int,
-         threads: int | None = None, splits: int | None = None, cascade: bool = True) -> DecodePlan:
+         threads: int | None = None, splits: int | None = None, cascade: bool = True,
+         split_blocks: int | None = None) -> DecodePlan:
     """The step's work items. `splits` forces each sequence's own blocks into that many items (tests);
-    `cascade=False` gives every sequence only its own items."""
+    `split_blocks` cuts them into items of that many blocks (the last one shorter); `cascade=False` gives
+    every sequence only its own items."""
     block_tables = block_tables.contiguous()
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     assert rows is None or (rows.dtype == torch.int64 and rows.is_contiguous() and rows.shape == seq_lens.shape)
@@ -85,6 +75,9 @@ def plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor 
     members: list[int] = []
     if splits is not None:
         pieces = [_cut(b0, b1, splits) for _, b0, b1 in own] + [_cut(b0, b1, 1) for _, b0, b1 in segments]
+    elif split_blocks is not None:
+        pieces = [[(a, min(a + split_blocks, b1)) for a in range(b0, b1, split_blocks)] or [(b0, b1)]
+                  for _, b0, b1 in own + segments]
     else:
         total = sum(b1 - b0 for _, b0, b1 in segments + own)
         target = ITEMS_PER_THREAD * (threads or torch.get_num_threads())
@@ -128,64 +121,84 @@ def _cut(b0: int, b1: int, n: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-def _call(q: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, key_cache: torch.Tensor,
-          value_cache: torch.Tensor, p: DecodePlan, scale: float, out: torch.Tensor) -> None:
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    kp = vp = 0
-    ks = (0, 0, 0, 0)
-    rows = 0
-    if key is not None and value is not None:
-        assert p.rows is not None
-        kp, vp, rows = key.data_ptr(), value.data_ptr(), p.rows.data_ptr()
-        ks = (key.stride(0), key.stride(1), value.stride(0), value.stride(1))
-    items, members = p.items, p.members
-    rc = _fn()(q.data_ptr(), kp or None, vp or None, *ks, rows or None, key_cache.data_ptr(), value_cache.data_ptr(),
-               p.block_tables.data_ptr(), p.block_tables.stride(0), p.seq_lens.data_ptr(), out.data_ptr(), num_seqs,
-               num_heads, num_kv_heads, head_dim, block_size, scale, key_cache.stride(0), key_cache.stride(1),
-               key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-               _DTYPES[key_cache.dtype], items.ctypes.data, len(items), members.ctypes.data)
-    if rc != 0:
-        raise ValueError(f"paged_decode: shapes not taken by the CPU kernel (code {rc})")
-
-
-def paged_decode_write(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, p: DecodePlan, scale: float) -> torch.Tensor:
-    """Writes key / value [S, Hkv, D] (float32) at p.rows, then decodes q [S, H, D] -> out [S, H, D]: one
-    call for a layer of a decode step (the hot path: its checks are the few a wrong call could not pass)."""
-    num_seqs, _, head_dim = q.shape
-    assert q.dtype == key.dtype == value.dtype == torch.float32 and q.is_contiguous()
-    assert key.shape == value.shape == (num_seqs, key_cache.shape[2], head_dim)
-    assert key.stride(-1) == value.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == 1
-    assert key_cache.dtype == value_cache.dtype and p.seq_lens.shape[0] == num_seqs
-    out = torch.empty_like(q)
-    _call(q, key, value, key_cache, value_cache, p, scale, out)
-    return out
-
-
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
     return (dtype in _DTYPES and head_dim % 16 == 0 and head_dim // 16 in (1, 2, 3, 4, 5, 6, 8, 16)
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16 and num_heads <= 64
             and block_size <= 256)
 
 
-def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                 num_splits: int | None = None, cascade: bool = True) -> torch.Tensor:
-    num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, kv_dim = key_cache.shape
-    assert q.dtype == torch.float32 and q.is_contiguous() and q.device.type == "cpu"
-    assert key_cache.dtype == value_cache.dtype and key_cache.dtype in _DTYPES
-    assert key_cache.shape == value_cache.shape and kv_dim == head_dim
-    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "head_dim must be contiguous"
-    assert supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype)
-    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1 and block_tables.shape[0] == num_seqs
-    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.shape == (num_seqs,)
-    if out is None:
+class PagedDecode:
+    """The kernel of one build (kernels/cpu/library.py loads it): `write_attend` for a decode step's layer,
+    `decode` for rows whose K / V are already in the cache."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        f = lib.prefixserve_paged_decode
+        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        f.argtypes = [p, p, p, i64, i64, i64, i64, p, p, p, p, i64, p, p, i, i, i, i, i, ctypes.c_float,
+                      i64, i64, i64, i64, i64, i64, i, p, i, p]
+        f.restype = ctypes.c_int
+        self._fn = f
+        lib.prefixserve_paged_decode_path.restype = ctypes.c_char_p
+        self.path: str = lib.prefixserve_paged_decode_path().decode()    # the loops it runs: avx512, avx2, generic
+        self.num_threads = lib.prefixserve_num_threads               # its OpenMP threads (torch's)
+        self.num_threads.restype = ctypes.c_int
+
+    def _call(self, q: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, key_cache: torch.Tensor,
+              value_cache: torch.Tensor, p: DecodePlan, scale: float, out: torch.Tensor) -> None:
+        num_seqs, num_heads, head_dim = q.shape
+        block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+        kp = vp = 0
+        ks = (0, 0, 0, 0)
+        rows = 0
+        if key is not None and value is not None:
+            assert p.rows is not None
+            kp, vp, rows = key.data_ptr(), value.data_ptr(), p.rows.data_ptr()
+            ks = (key.stride(0), key.stride(1), value.stride(0), value.stride(1))
+        items, members = p.items, p.members
+        rc = self._fn(q.data_ptr(), kp or None, vp or None, *ks, rows or None, key_cache.data_ptr(),
+                      value_cache.data_ptr(), p.block_tables.data_ptr(), p.block_tables.stride(0),
+                      p.seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+                      block_size, scale,
+                      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
+                      value_cache.stride(1), value_cache.stride(2), _DTYPES[key_cache.dtype], items.ctypes.data,
+                      len(items), members.ctypes.data)
+        if rc != 0:
+            raise ValueError(f"paged_decode: shapes not taken by the CPU kernel (code {rc})")
+
+    def write_attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, p: DecodePlan, scale: float) -> torch.Tensor:
+        """Writes key / value [S, Hkv, D] (float32) at p.rows, then decodes q [S, H, D] -> out [S, H, D]: one
+        call for a layer of a decode step (the hot path: its checks are the few a wrong call could not pass)."""
+        num_seqs, _, head_dim = q.shape
+        assert q.dtype == key.dtype == value.dtype == torch.float32 and q.is_contiguous()
+        assert key.shape == value.shape == (num_seqs, key_cache.shape[2], head_dim)
+        assert key.stride(-1) == value.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == 1
+        assert key_cache.dtype == value_cache.dtype and p.seq_lens.shape[0] == num_seqs
         out = torch.empty_like(q)
-    assert out.shape == q.shape and out.dtype == torch.float32 and out.is_contiguous()
-    if num_seqs == 0:
+        self._call(q, key, value, key_cache, value_cache, p, scale, out)
         return out
-    _call(q, None, None, key_cache, value_cache,
-          plan(block_tables, seq_lens, None, block_size, splits=num_splits, cascade=cascade), scale, out)
-    return out
+
+    def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
+               cascade: bool = True, split_blocks: int | None = None) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, kv_dim = key_cache.shape
+        assert q.dtype == torch.float32 and q.is_contiguous() and q.device.type == "cpu"
+        assert key_cache.dtype == value_cache.dtype and key_cache.dtype in _DTYPES
+        assert key_cache.shape == value_cache.shape and kv_dim == head_dim
+        assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "head_dim must be contiguous"
+        assert supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype)
+        assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1 and block_tables.shape[0] == num_seqs
+        assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.shape == (num_seqs,)
+        if out is None:
+            out = torch.empty_like(q)
+        assert out.shape == q.shape and out.dtype == torch.float32 and out.is_contiguous()
+        if num_seqs == 0:
+            return out
+        p = plan(block_tables, seq_lens, None, block_size, splits=num_splits, cascade=cascade,
+                 split_blocks=split_blocks)
+        self._call(q, None, None, key_cache, value_cache, p, scale, out)
+        return out
+
+
+__all__ = ["DecodePlan", "PagedDecode", "plan", "supports"]

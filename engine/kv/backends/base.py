@@ -20,6 +20,7 @@ import torch
 from engine.kv.block_manager import Placement
 from engine.models.llama import ModelArgs
 from kernels import Attention
+from kernels.ops import Ops
 
 
 class KVStat(NamedTuple):
@@ -93,7 +94,7 @@ class KVBackend:
 
     name: str
     create: Callable[[CacheSpec], KVStore]                        # the cache factory
-    attention: Callable[[str], Attention]                         # kernel family ("torch", "triton") -> attention
+    attention: Callable[[str, Ops], Attention]                    # kernel family ("cpu", "triton") -> attention
     block_size: Callable[[ModelArgs, torch.dtype, int], int]      # the block size it can serve for one asked
 
 

@@ -79,13 +79,13 @@ def test_quantized_logits_are_exact_where_they_decide(mode: str, coarse_err: flo
     w, h = torch.randn(5008, 64), torch.randn(6, 64)
     ref = h @ w.T
     head = QuantLogits(w, mode, refine=64)
-    assert isinstance(head.dense, Int4Linear if mode == "int4" else Int8Linear)
+    assert isinstance(head.coarse, Int4Linear if mode == "int4" else Int8Linear)
     got = head(h)
     top = ref.topk(16, dim=-1).indices          # well inside the 64 refined (its edge may differ by rounding)
     torch.testing.assert_close(got.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-4)  # float32 sums
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     assert rel_err(got, ref) < coarse_err                       # the rest: quantized rows, bfloat16 output
-    assert isinstance(QuantLogits(w[:5000], mode).dense, Int8Linear)   # rows the int4 kernel cannot take
+    assert isinstance(QuantLogits(w[:5000], mode).coarse, Int8Linear)   # rows the int4 kernel cannot take
 
 
 def test_int8_engine_on_a_tiny_checkpoint_stays_close_to_float32(tiny_llama_dir: Path) -> None:

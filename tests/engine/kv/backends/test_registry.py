@@ -20,6 +20,7 @@ from engine.kv.backends.base import Addressing, CacheSpec, KVBackend, KVStat, KV
 from engine.kv.backends.paged.cache import PagedKVCache
 from engine.models.llama import ModelArgs
 from kernels import Attention
+from kernels.ops import Ops
 from tests.engine.test_parity import run
 
 
@@ -69,8 +70,8 @@ def _create(spec: CacheSpec) -> KVStore:
     return MirroredCache(spec)
 
 
-def _attention(kernels: str) -> Attention:
-    return backends.get("paged").attention(kernels)
+def _attention(kernels: str, ops: Ops) -> Attention:
+    return backends.get("paged").attention(kernels, ops)
 
 
 def _block_size(args: ModelArgs, dtype: torch.dtype, requested: int) -> int:
