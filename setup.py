@@ -10,6 +10,8 @@ makes the wheel platform-specific (it holds machine code) and makes editable ins
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -23,6 +25,7 @@ def _kernel_build():  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location("prefixserve_kernel_build", ROOT / "kernels" / "cpu" / "build.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module               # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -43,7 +46,6 @@ class BuildCpuKernels(build_ext):
 
     @staticmethod
     def _only() -> list[str] | None:
-        import os
         names = os.environ.get("PREFIXSERVE_CPU_VARIANTS", "")
         return [n.strip() for n in names.split(",") if n.strip()] or None
 

@@ -112,10 +112,10 @@ def _compile(cxx: list[str], variant: Variant, kernel: str, out_dir: Path) -> No
     os.replace(tmp, target)
 
 
-def build(out_dir: Path, only: list[str] | None = None, jobs: int | None = None,
-          log=print) -> dict:  # type: ignore[no-untyped-def]
-    """Compiles every kernel for every variant the compiler takes (`only`: those names) into out_dir; writes
-    and returns the manifest. Raises RuntimeError without a compiler or when a kernel fails to build."""
+def build(out_dir: Path, only: list[str] | None = None, jobs: int | None = None, log=print,  # type: ignore[no-untyped-def]
+          kernels: tuple[str, ...] = KERNELS) -> dict:  # type: ignore[type-arg]
+    """Compiles every kernel (`kernels`) for every variant the compiler takes (`only`: those names) into out_dir;
+    writes and returns the manifest. Raises RuntimeError without a compiler or when a kernel fails to build."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler: set CXX or install g++ (the CPU kernels are built at install time)")
@@ -133,9 +133,12 @@ def build(out_dir: Path, only: list[str] | None = None, jobs: int | None = None,
             log(f"prefixserve kernels: {v.name} left out: {refused[v.name]}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)          # no manifest while the libraries change
+    for old in out_dir.iterdir():                          # variants of an earlier build that this one leaves out
+        if old.is_dir() and old.name not in {v.name for v in built}:
+            shutil.rmtree(old)
     jobs = jobs or max(1, min(8, os.cpu_count() or 1))
     with ThreadPoolExecutor(jobs) as pool:
-        for f in [pool.submit(_compile, cxx, v, k, out_dir) for v in built for k in KERNELS]:
+        for f in [pool.submit(_compile, cxx, v, k, out_dir) for v in built for k in kernels]:
             f.result()
     manifest = {
         "sources": source_digest(),
@@ -144,7 +147,7 @@ def build(out_dir: Path, only: list[str] | None = None, jobs: int | None = None,
         "machine": platform.machine(),
         "variants": {v.name: {"flags": list(v.flags), "requires": sorted(v.requires)} for v in built},
         "left_out": refused,
-        "kernels": list(KERNELS),
+        "kernels": list(kernels),
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     log(f"prefixserve kernels: built {', '.join(v.name for v in built)} with {manifest['compiler']} "

@@ -76,6 +76,8 @@ def manifest(directory: Path = LIB_DIR) -> dict:  # type: ignore[type-arg]
                                 "builds them (`make kernels` in a source checkout)") from exc
     if m.get("machine") != platform.machine():
         raise KernelUnavailable(f"the C++ kernels were built for {m.get('machine')}, this is {platform.machine()}")
+    if sorted(m.get("kernels", [])) != sorted(KERNELS):
+        raise KernelUnavailable(f"the C++ kernels build holds {m.get('kernels')}, not {list(KERNELS)}")
     if any(SOURCES.glob("*.cpp")) and m.get("sources") != source_digest():
         raise KernelUnavailable("the C++ kernels were built from other sources than the ones installed (an "
                                 "editable install after an edit): `make kernels` rebuilds them")
