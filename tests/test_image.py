@@ -39,7 +39,8 @@ def test_the_dockerfile_builds_in_one_stage_and_runs_in_another() -> None:
     copied = {i.split()[-1].rstrip("/").lstrip("./") for i in builder if i.startswith("COPY ")}
     for needed in ("engine", "kernels", "service", "prefix_store"):
         assert needed in copied, needed
-    assert any("setup.py" in i and "MANIFEST.in" in i and "pyproject.toml" in i for i in builder if i.startswith("COPY"))
+    assert any("setup.py" in i and "MANIFEST.in" in i and "pyproject.toml" in i
+               for i in builder if i.startswith("COPY"))
     assert runtime[0] == "FROM python:3.11-slim"
     assert not any("g++" in i or "gcc" in i or "build-essential" in i for i in runtime)   # no compiler at run time
     assert "COPY --from=builder /wheels /wheels" in runtime
@@ -72,12 +73,12 @@ def test_the_images_python_loads_the_kernels_without_a_compiler(tmp_path: Path) 
         "import shutil, torch, kernels.cpu.library as L\n"
         "assert shutil.which('g++') is None and shutil.which('c++') is None\n"
         "k = L.load()\n"
-        "assert L.LIB_DIR.is_relative_to(r'%s'), L.LIB_DIR\n"
+        "assert L.LIB_DIR.is_relative_to(r'SITE'), L.LIB_DIR\n"
         "q = torch.randn(2, 4, 64); kc = torch.randn(8, 16, 2, 64).bfloat16(); vc = torch.randn_like(kc)\n"
         "out = k.decode.decode(q, kc, vc, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),\n"
         "                      torch.tensor([20, 5], dtype=torch.int32), 0.125)\n"
         "assert torch.isfinite(out).all()\n"
-        "print(k.variant, k.paths['paged_decode'])\n") % site
+        "print(k.variant, k.paths['paged_decode'])\n").replace("SITE", str(site))
     site_packages = [p for p in sys.path if p.endswith("site-packages")]     # torch and the other dependencies
     run_env = {"PATH": str(tmp_path / "no-compiler"), "HOME": str(tmp_path / "home"),
                "PYTHONPATH": os.pathsep.join([str(site), *site_packages])}
