@@ -72,6 +72,7 @@ async def server_info(request: web.Request) -> web.Response:
         "device": cfg.device, "dtype": cfg.dtype, "attention_backend": engine.attention_backend,
         "kv_cache_dtype": engine.kv_cache_dtype,
         "kv_backend": cfg.kv_backend,
+        "kernels": engine.kernels,
         "kv_events_config": dataclasses.asdict(events) if events is not None else None,
         "version": __version__})
 

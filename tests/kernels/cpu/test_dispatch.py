@@ -108,19 +108,25 @@ def test_the_build_takes_a_compiler_with_arguments(tmp_path: Path, monkeypatch: 
         build.build(tmp_path / "none", only=["portable"], kernels=("logits",), log=lambda _m: None)
 
 
-def test_the_engine_reports_its_choice_and_refuses_a_variant_it_cannot_run(tiny_llama_dir: Path) -> None:
+def test_the_engine_reports_its_choice_and_refuses_a_variant_it_cannot_run(tiny_llama_dir: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
     from engine import LLM
     from kernels.ops import KernelConfig, Ops
 
     runnable = runnable_variants()
     if not runnable:
         pytest.skip("no build of the C++ kernels here")
-    llm = LLM(str(tiny_llama_dir), quantization="int4", num_kv_blocks=16)
+    with caplog.at_level("INFO", logger="engine.core"):
+        llm = LLM(str(tiny_llama_dir), quantization="int4", num_kv_blocks=16)
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels: ")]
+    assert logged[0].startswith(f"kernels: C++ CPU kernels {runnable[-1]} (chosen for this CPU")
+    assert any(m.startswith(f"kernels: paged decode: c++ {runnable[-1]}") for m in logged)
     report = llm.engine.core.ops.report
     assert report.cpu_variant == runnable[-1] and "chosen for this CPU" in report.cpu_reason
     assert report.ops["paged decode"].startswith(f"c++ {runnable[-1]}")
     off = Ops(KernelConfig(cpu_kernels="none")).report
     assert off.cpu_variant is None and "turned off" in off.cpu_reason and off.ops["paged decode"] == "torch"
+    assert off.lines()[0] == "no C++ CPU kernels: turned off (cpu_kernels none)"
     lacking = [v.name for v in build.variants() if not v.requires <= cpu_flags()]
     if lacking:
         with pytest.raises(KernelUnavailable, match=f"cannot run the {lacking[0]} kernels"):
