@@ -183,47 +183,51 @@ def cpu_time_us(fn: Callable[[], object], iters: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def bench_cpu(quick: bool) -> None:
+CPU_HEADS, CPU_KV_HEADS, CPU_HEAD_DIM, CPU_BLOCK = 9, 3, 64, 16     # SmolLM2-135M's attention
+
+
+def cpu_decode_row(batch: int, context: int, variants: list[str], gen: torch.Generator) -> dict:
+    """One layer's decode call at batch x context: torch's fallback and every build, checked, then timed."""
     from kernels.cpu import paged_decode as cpu_decode
-    from kernels.cpu.library import cpu_flags, load, runnable_variants
+    from kernels.cpu.library import load
     from kernels.cpu_backend import CpuAttentionBackend
     from kernels.metadata import AttentionMetadata
+
+    heads, kv_heads, head_dim, block = CPU_HEADS, CPU_KV_HEADS, CPU_HEAD_DIM, CPU_BLOCK
+    scale = head_dim ** -0.5
+    nb = -(-context // block)
+    tables = torch.randperm(batch * nb, generator=gen).int().view(batch, nb).contiguous()
+    kc = torch.randn(batch * nb, block, kv_heads, head_dim, generator=gen).bfloat16()
+    vc = torch.randn(batch * nb, block, kv_heads, head_dim, generator=gen).bfloat16()
+    q = torch.randn(batch, heads, head_dim, generator=gen)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    md = AttentionMetadata(kv_rows=torch.zeros(batch, dtype=torch.long), block_tables=tables, seq_lens=lens,
+                           query_start_loc=torch.arange(batch + 1, dtype=torch.int32), seq_lens_list=[context] * batch,
+                           query_lens_list=[1] * batch, max_query_len=1, max_seq_len=context)
+    fallback = CpuAttentionBackend(None)
+    want = fallback.forward(q, kc, vc, md, scale)
+    iters = 20 if batch * context <= 32768 else 5
+    row = {"batch": batch, "context": context, "torch_us": cpu_time_us(lambda: fallback.forward(q, kc, vc, md, scale),
+                                                                       iters)}
+    p = cpu_decode.plan(tables, lens, None, block)
+    out = torch.empty_like(q)
+    for v in variants:
+        k = load(v)
+        torch.testing.assert_close(k.decode.decode(q, kc, vc, tables, lens, scale), want, atol=2e-4, rtol=2e-4)
+        row[f"{v}_us"] = cpu_time_us(lambda k=k: k.decode._call(q, None, None, kc, vc, p, scale, out), iters)
+    return row
+
+
+def bench_cpu(quick: bool) -> None:
+    from kernels.cpu.library import cpu_flags, runnable_variants
     from kernels.ops import KernelConfig, Ops
 
-    heads, kv_heads, head_dim, block = 9, 3, 64, 16
     variants = runnable_variants()
     if not variants:
         sys.exit("no build of the C++ CPU kernels runs here: `make kernels` (or pip install) builds them")
     batches, contexts = ([1, 32], [1024]) if quick else ([1, 16, 64], [256, 1024, 4096])
     gen = torch.Generator().manual_seed(0)
-    rows = []
-    for batch in batches:
-        for context in contexts:
-            nb = -(-context // block)
-            perm = torch.randperm(batch * nb, generator=gen).int()
-            tables = perm.view(batch, nb).contiguous()
-            kc = torch.randn(batch * nb, block, kv_heads, head_dim, generator=gen).bfloat16()
-            vc = torch.randn(batch * nb, block, kv_heads, head_dim, generator=gen).bfloat16()
-            q = torch.randn(batch, heads, head_dim, generator=gen)
-            lens = torch.full((batch,), context, dtype=torch.int32)
-            md = AttentionMetadata(kv_rows=torch.zeros(batch, dtype=torch.long), block_tables=tables, seq_lens=lens,
-                                   query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
-                                   seq_lens_list=[context] * batch, query_lens_list=[1] * batch, max_query_len=1,
-                                   max_seq_len=context)
-            fallback = CpuAttentionBackend(None)
-            want = fallback.forward(q, kc, vc, md, head_dim ** -0.5)
-            iters = 20 if batch * context <= 32768 else 5
-            row = {"batch": batch, "context": context,
-                   "torch_us": cpu_time_us(lambda: fallback.forward(q, kc, vc, md, head_dim ** -0.5), iters)}
-            for v in variants:
-                k = load(v)
-                got = k.decode.decode(q, kc, vc, tables, lens, head_dim ** -0.5)
-                torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
-                p = cpu_decode.plan(tables, lens, None, block)
-                out = torch.empty_like(q)
-                row[f"{v}_us"] = cpu_time_us(lambda k=k, p=p, out=out: k.decode._call(
-                    q, None, None, kc, vc, p, head_dim ** -0.5, out), iters)
-            rows.append(row)
+    rows = [cpu_decode_row(batch, context, variants, gen) for batch in batches for context in contexts]
     logits = torch.randn(64, 49152, generator=gen) * 4
     gate_up = torch.randn(64, 2 * 1536, generator=gen).bfloat16()
     x, r, w = torch.randn(64, 576, generator=gen), torch.randn(64, 576, generator=gen).bfloat16(), torch.rand(576)
@@ -231,10 +235,11 @@ def bench_cpu(quick: bool) -> None:
     impls = [("torch", Ops(KernelConfig(cpu_kernels="none")))] + [(v, Ops(KernelConfig(cpu_kernels=v)))
                                                                     for v in variants]
     for name, ops in impls:
+        def stats(ops: Ops = ops, torch_argmax: bool = name == "torch") -> object:
+            return (ops.row_stats(logits), logits.argmax(-1)) if torch_argmax else ops.row_stats(logits)
         ops_rows.append({
             "impl": name,
-            "row_stats_us": cpu_time_us(lambda ops=ops: (ops.row_stats(logits), logits.argmax(-1))
-                                        if name == "torch" else ops.row_stats(logits), 20),
+            "row_stats_us": cpu_time_us(stats, 20),
             "topk_us": cpu_time_us(lambda ops=ops: ops.topk(logits, 64), 20),
             "silu_mul_us": cpu_time_us(lambda ops=ops: ops.silu_mul(gate_up, mixed=True), 50),
             "add_rms_norm_us": cpu_time_us(lambda ops=ops: ops.add_rms_norm(x.clone(), r, w, 1e-5, mixed=True), 50),
