@@ -75,9 +75,11 @@ class CoreOutput:
 
     sampled: list[Sequence] = field(default_factory=list)
     groups: list[SequenceGroup] = field(default_factory=list)
+    _seen: set[int] = field(default_factory=set, repr=False)      # id() of the groups listed: touch in O(1)
 
     def touch(self, group: SequenceGroup) -> None:
-        if not any(g is group for g in self.groups):
+        if id(group) not in self._seen:           # NOTE: the groups are alive while listed, so ids are not reused
+            self._seen.add(id(group))
             self.groups.append(group)
 
 
