@@ -137,7 +137,7 @@ class EngineCore:
         self.manager = BlockManager(self.pool, self.block_size, loaded.fingerprint, config.enable_prefix_caching,
                                     self.kv_cache.placement)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, attention, config.device)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, attention, config.device, self.manager)
         if config.compile_decode:
             took = self.runner.compile_decode(config.max_num_seqs)
             if self.runner.compiled is not None and self.runner.compiled.failed is None:
@@ -303,10 +303,9 @@ class EngineCore:
                 s.seq.group.times.scheduled = time.monotonic()
         if self.kv_cache.ahead_tokens:
             self._grow_ahead(sched.scheduled)
-        tables = [self.manager.block_table(s.seq.seq_id) for s in sched.scheduled]
         extra_rows, prompt_targets = self._prompt_logprob_rows(sched.scheduled)
         try:
-            step_logits = self.runner.execute(sched.scheduled, tables, sched.copies, extra_rows)
+            step_logits = self.runner.execute(sched.scheduled, sched.copies, extra_rows)
         except KVRefused as exc:        # the KV cache cannot hold these: their requests end, the rest run next step
             for s in sched.scheduled:
                 if s.seq.seq_id in exc.seq_ids and s.seq.group is not None and self.abort(s.seq.request_id, exc):
