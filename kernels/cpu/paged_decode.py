@@ -63,33 +63,47 @@ def plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor 
     num_blocks = (lens + block_size - 1) // block_size
     assert lens.size == 0 or block_tables.shape[1] >= num_blocks.max(), "every block must be in its table row"
     tables = block_tables.numpy()
-    own_from = np.zeros(len(lens), dtype=np.int64)
+    n = len(lens)
+    own_from = np.zeros(n, dtype=np.int64)
     shared: list[tuple[list[int], int, int]] = []
-    if cascade and len(lens) > 1:
+    if cascade and n > 1:
         full = (lens - 1) // block_size           # blocks full for the sequence and not holding its last token
-        _find_shared(tables, full, list(range(len(lens))), 0, own_from, shared)
+        heads = tables[full >= MIN_SHARED_BLOCKS, 0]
+        if len(heads) > 1 and len(np.unique(heads)) < len(heads):      # some start alike: look closer (Python)
+            _find_shared(tables, full, list(range(n)), 0, own_from, shared)
     segments = [(group[i:i + MAX_MEMBERS], b0, b1) for group, b0, b1 in shared
                 for i in range(0, len(group), MAX_MEMBERS)]
-    own = [([s], int(own_from[s]), int(num_blocks[s])) for s in range(len(lens))]
-    items: list[tuple[int, int, int, int]] = []
-    members: list[int] = []
+    seg_b0 = np.asarray([b0 for _, b0, _ in segments], dtype=np.int64)
+    seg_b1 = np.asarray([b1 for _, _, b1 in segments], dtype=np.int64)
+    own_len, seg_len = num_blocks - own_from, seg_b1 - seg_b0
+    # pieces a run of blocks is cut into, own runs first (NOTE: numpy over the sequences: no Python loop a
+    # sequence unless a cascade group exists)
     if splits is not None:
-        pieces = [_cut(b0, b1, splits) for _, b0, b1 in own] + [_cut(b0, b1, 1) for _, b0, b1 in segments]
+        own_pieces, seg_pieces = np.full(n, splits, dtype=np.int64), np.ones(len(segments), dtype=np.int64)
     elif split_blocks is not None:
-        pieces = [[(a, min(a + split_blocks, b1)) for a in range(b0, b1, split_blocks)] or [(b0, b1)]
-                  for _, b0, b1 in own + segments]
+        own_pieces = np.maximum(1, -(-own_len // split_blocks))
+        seg_pieces = np.maximum(1, -(-seg_len // split_blocks))
     else:
-        total = sum(b1 - b0 for _, b0, b1 in segments + own)
         target = ITEMS_PER_THREAD * (threads or torch.get_num_threads())
-        size = max(MIN_BLOCKS_PER_SPLIT, -(-total // target))
-        pieces = [_cut(b0, b1, max(1, (b1 - b0) // size)) for _, b0, b1 in own + segments]
-    for (group, _, _), cuts in zip(own + segments, pieces, strict=True):
-        first = len(members)
-        members.extend(group)
-        items.extend((first, len(group), a, b) for a, b in cuts)
+        size = max(MIN_BLOCKS_PER_SPLIT, -(-int(own_len.sum() + seg_len.sum()) // target))
+        own_pieces, seg_pieces = np.maximum(1, own_len // size), np.maximum(1, seg_len // size)
+    b0 = np.concatenate([own_from, seg_b0])
+    length = np.concatenate([own_len, seg_len])
+    pieces = np.concatenate([own_pieces, seg_pieces])
+    run = np.repeat(np.arange(len(pieces)), pieces)                     # the run each item cuts
+    i = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)    # the item's index in its run
+    if split_blocks is not None and splits is None:
+        a = b0[run] + i * split_blocks
+        b = np.minimum(a + split_blocks, b0[run] + length[run])
+    else:                                                               # near-equal parts (_cut)
+        a = b0[run] + length[run] * i // pieces[run]
+        b = b0[run] + length[run] * (i + 1) // pieces[run]
+    sizes = np.concatenate([np.ones(n, dtype=np.int64), [len(g) for g, _, _ in segments]]).astype(np.int64)
+    firsts = np.cumsum(sizes) - sizes
+    items = np.stack([firsts[run], sizes[run], a, b], axis=1).astype(np.int32)
+    members = np.concatenate([np.arange(n, dtype=np.int64), *[np.asarray(g, dtype=np.int64) for g, _, _ in segments]])
     saved = sum((len(g) - 1) * (b1 - b0) for g, b0, b1 in shared)
-    return DecodePlan(block_tables, seq_lens, rows, np.asarray(items, dtype=np.int32).reshape(-1, 4),
-                      np.asarray(members, dtype=np.int32), saved)
+    return DecodePlan(block_tables, seq_lens, rows, items.reshape(-1, 4), members.astype(np.int32), saved)
 
 
 def _find_shared(tables: np.ndarray, full: np.ndarray, group: list[int], start: int, own_from: np.ndarray,

@@ -172,3 +172,22 @@ def test_the_kernel_uses_torchs_threads(cpu: CpuKernels) -> None:
     finally:
         torch.set_num_threads(before)
     assert cpu.decode.num_threads() == before
+
+
+def test_a_step_without_shared_prefixes_plans_in_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan of a step whose tables share no first block is made with numpy over the sequences: the
+    Python search for cascade groups runs only when two tables start alike."""
+    from kernels.cpu import paged_decode
+
+    lens = torch.full((64,), 700, dtype=torch.int32)
+    tables = torch.arange(64 * 44, dtype=torch.int32).view(64, 44)
+
+    def no_search(*_args: object) -> None:
+        raise AssertionError("searched for cascade groups")
+
+    monkeypatch.setattr(paged_decode, "_find_shared", no_search)
+    p = plan(tables, lens, None, 16, threads=2)
+    assert covered(p) == {(s, blk): 1 for s in range(64) for blk in range(44)} and p.shared_blocks == 0
+    monkeypatch.undo()
+    tables[1, :3] = tables[0, :3]                            # two alike: the search runs, and finds them
+    assert plan(tables, lens, None, 16, threads=2).shared_blocks == 3
