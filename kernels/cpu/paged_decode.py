@@ -95,7 +95,7 @@ def plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor 
     if split_blocks is not None and splits is None:
         a = b0[run] + i * split_blocks
         b = np.minimum(a + split_blocks, b0[run] + length[run])
-    else:                                                               # near-equal parts (_cut)
+    else:                                                               # near-equal parts
         a = b0[run] + length[run] * i // pieces[run]
         b = b0[run] + length[run] * (i + 1) // pieces[run]
     sizes = np.concatenate([np.ones(n, dtype=np.int64), [len(g) for g, _, _ in segments]]).astype(np.int64)
@@ -127,12 +127,6 @@ def _find_shared(tables: np.ndarray, full: np.ndarray, group: list[int], start: 
         out.append((sub, start, end))
         own_from[sub] = end
         _find_shared(tables, full, sub, end, own_from, out)
-
-
-def _cut(b0: int, b1: int, n: int) -> list[tuple[int, int]]:
-    """[b0, b1) in n near-equal parts (empty ones when n > b1 - b0: they weigh nothing in the merge)."""
-    edges = [b0 + (b1 - b0) * i // n for i in range(n + 1)]
-    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
