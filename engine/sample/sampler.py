@@ -45,7 +45,7 @@ class SamplerOutput:
 class Sampler:
     """Stateless but for the op layer it reduces logits with; one instance serves every step.
 
-    Every row: its logits processors first (engine/logits_processors.py: bias, min_tokens, penalties).
+    Every row: its logits processors first (engine/sample/logits_processors.py: bias, min_tokens, penalties).
     Random rows: logits / temperature -> min-p -> top-k -> top-p (on the top-k-renormalized
     distribution) -> one draw per row by inverse CDF: u ~ U[0, 1) from the row's generator, the token
     is the first whose cumulative probability (float64, vocabulary order) exceeds u.

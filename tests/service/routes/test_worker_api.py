@@ -1,4 +1,4 @@
-"""The worker surface a router probes (service/worker_api.py), against the shared live server: the
+"""The worker surface a router probes (service/routes/worker_api.py), against the shared live server: the
 answers agree with what the generation endpoints and the engine actually do."""
 from __future__ import annotations
 
