@@ -1,5 +1,5 @@
 """Benchmark of the paged attention kernels: on a GPU, the Triton kernels against contiguous SDPA on the same
-data; on the CPU (`--device cpu`, or no GPU), the C++ kernels of every build this CPU runs (portable, avx2,
+data; on the CPU (`--device cpu`), the C++ kernels of every build this CPU runs (portable, avx2,
 avx512, ...: kernels/cpu/library.py) against each other and against torch's fallbacks.
 
     python benchmarks/offline/kernels.py                 # full sweep, ~a few minutes on an H100
@@ -275,14 +275,15 @@ def bench_cpu(quick: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--device", default=None, help="cpu: the C++ CPU kernels (default: cuda if there is one)")
+    parser.add_argument("--device", default="cuda", help="cuda (the Triton kernels) or cpu (the C++ CPU kernels)")
     args = parser.parse_args()
-    if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
+    if args.device == "cpu":
         bench_cpu(args.quick)
         return
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/offline/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); "
-                 "the kernels' correctness tests run on CPU with `make test` instead.")
+        sys.exit("benchmarks/offline/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False) for the Triton "
+                 "kernels; `--device cpu` times the C++ CPU kernels; the kernels' correctness tests run on CPU with "
+                 "`make test`.")
     if triton.knobs.runtime.interpret:
         sys.exit("unset TRITON_INTERPRET: the benchmark times compiled kernels, not the interpreter")
 
