@@ -14,7 +14,7 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.engine.models.test_real_model import QUESTIONS, chat_ids
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=5, logprobs=5, ignore_eos=True)
 Answer = tuple[list[int], list[dict[int, float]]]
 
 
@@ -66,3 +66,15 @@ def test_tokens_and_logprobs_do_not_depend_on_batch_chunks_or_cache(invariant: L
         assert answers(llm, prompts) == alone
     finally:
         core.scheduler.max_num_batched_tokens = llm.engine.core.config.max_num_batched_tokens
+
+
+@pytest.mark.parametrize("other,message", [
+    ({"device": "cuda"}, "CPU only"), ({"cpu_kernels": "none"}, "needs the C\\+\\+ CPU kernels"),
+    ({"attention_backend": "torch"}, "needs the cpu attention kernels"),
+    ({"kv_backend": "vattention"}, "needs the paged KV backend"),
+    ({"compile_decode": True}, "do not go together")])
+def test_the_mode_is_refused_where_it_would_not_hold(other: dict, message: str) -> None:
+    from engine.config import EngineConfig
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(batch_invariant=True, **other)
+    EngineConfig(**other)                                      # the same without the mode is a valid config
