@@ -276,8 +276,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--device", default="cuda", help="cuda (the Triton kernels) or cpu (the C++ CPU kernels)")
+    parser.add_argument("--threads", type=int, default=None, help="cpu: torch's (and the kernels') threads")
     args = parser.parse_args()
     if args.device == "cpu":
+        if args.threads:
+            torch.set_num_threads(args.threads)
         bench_cpu(args.quick)
         return
     if not torch.cuda.is_available():
