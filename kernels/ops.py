@@ -27,19 +27,18 @@ number of blocks and never cascades. What holds then, and what does not by defau
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kernels import quant_gemm as qg
+from kernels.cpu.build import variants
 from kernels.cpu.library import CpuKernels, KernelUnavailable, cpu_flags
 from kernels.cpu.library import load as load_cpu_kernels
 from kernels.cpu.logits import MAX_K
-
-log = logging.getLogger(__name__)
+from kernels.cpu_backend import INVARIANT_SPLIT_TOKENS
 
 WIDE_REFINE = 32                 # a wide step's int8 x int8 head: its top 32 logits recomputed exactly
 BF16_HEAD_REFINE = 16            # a bfloat16 head's rows are off by bfloat16 rounding only: its top 16
@@ -53,24 +52,6 @@ class KernelConfig:
     cpu_kernels: str = "auto"     # the C++ build to run: auto (the best the CPU has), none, or a variant's name
     batch_invariant: bool = False
     traced: bool = False          # the decode step's layers run in a torch.compile graph: elementwise ops in torch
-
-
-class QuantizedLinear(Protocol):
-    """What `Ops.linear` reads of a quantized layer (engine/models/quant.py)."""
-
-    kind: str                     # "int4" or "int8"
-    bias: torch.Tensor | None
-    dense: torch.Tensor           # the weight as `quant_gemm.pack_dense` made it (empty if never read)
-
-
-class QuantizedHead(Protocol):
-    """What `Ops.logits` reads of a quantized output projection (engine/models/quant.py, QuantLogits)."""
-
-    kind: str                     # "head"
-    coarse: Any                   # a QuantizedLinear
-    weight: torch.Tensor          # [vocab, hidden] float (or bfloat16): the exact rows
-    refine: int                   # the top logits recomputed exactly
-    wide: qg.Int8ActHead | None
 
 
 @dataclass
@@ -111,9 +92,7 @@ class Ops:
         else:
             try:
                 self.cpu = load_cpu_kernels(config.cpu_kernels)
-                flags = cpu_flags()
-                reason = ("chosen for this CPU" if config.cpu_kernels == "auto" else "forced") + \
-                    f" ({len(flags)} CPU flags read)"
+                reason = _why(self.cpu.variant, config.cpu_kernels == "auto")
             except KernelUnavailable as exc:
                 if config.cpu_kernels != "auto":
                     raise        # a variant forced by name that cannot run here: refuse to start, never SIGILL
@@ -131,6 +110,10 @@ class Ops:
             ops["paged decode"] = f"c++ {self.cpu.variant} ({self.cpu.paths['paged_decode']})"
             ops["paged prefill (bf16 cache)"] = (f"c++ {self.cpu.variant}" if self.cpu.prefill.available
                                                  else "torch flash attention (no AVX-512 BF16 build)")
+            if config.batch_invariant:
+                ops["paged decode"] += f", {INVARIANT_SPLIT_TOKENS}-token splits, no cascade"
+                ops["paged prefill (bf16 cache)"] = ops["paged prefill (float32 cache)"] = \
+                    "the paged decode kernel, a row at a time (batch-invariant)"
         else:
             ops["elementwise (mixed precision)"] = ops["logits reductions"] = variant
             ops["paged decode"] = "triton" if self.device.type == "cuda" else "torch"
@@ -208,9 +191,11 @@ class Ops:
 
     # -- GEMMs ------------------------------------------------------------------------------------------------------
     def linear(self, layer: Any, x: torch.Tensor, prefill: bool) -> torch.Tensor:
-        """A projection. Quantized layers (QuantizedLinear: bfloat16 in and out) take the bfloat16 GEMM for a
-        step with a prefill chunk or of DENSE_FROM_ROWS rows and more, their int4 / int8 kernel otherwise; in the
-        batch-invariant mode, their int4 / int8 kernel always.
+        """A projection: an nn.Linear, or a quantized layer (engine/models/quant.py: `kind` "int4" with `packed`
+        and `scale_zero`, or "int8" with `weight_q` and `scale`; `dense`, the bfloat16 weight as
+        quant_gemm.pack_dense made it, empty if never read; `bias`), bfloat16 in and out. A quantized layer takes
+        the bfloat16 GEMM for a step with a prefill chunk or of DENSE_FROM_ROWS rows and more, its int4 / int8
+        kernel otherwise; in the batch-invariant mode, its int4 / int8 kernel always.
 
         NOTE: why per step and not per row count alone: a prompt's tokens must go through the same kernel
         whether they are computed in one prefill or in two (a registered prefix, then the request's own
@@ -230,8 +215,10 @@ class Ops:
         return prefill or rows >= qg.DENSE_FROM_ROWS
 
     def logits(self, head: Any, x: torch.Tensor) -> torch.Tensor:
-        """[T, hidden] -> float32 [T, vocab]. A quantized head (QuantizedHead): coarse logits for the whole
-        vocabulary, then each row's top ones recomputed exactly in float32 from the float weight."""
+        """[T, hidden] -> float32 [T, vocab]. A quantized head (engine/models/quant.py QuantLogits: `kind` "head",
+        `coarse` a quantized layer, `weight` the exact [vocab, hidden] rows, `refine` how many, `wide` the int8 x
+        int8 head or None): coarse logits for the whole vocabulary, then each row's top ones recomputed exactly in
+        float32 from the float weight."""
         if getattr(head, "kind", None) != "head":
             return F.linear(x, head.weight, head.bias).float()
         xf = x.float().contiguous()
@@ -268,6 +255,20 @@ class Ops:
         return logits.topk(k, dim=-1).indices
 
 
+def _why(variant: str, auto: bool) -> str:
+    """Why this build: forced, or the best this CPU runs and what the next one needs that it lacks."""
+    if not auto:
+        return "forced by cpu_kernels"
+    names = [v.name for v in variants()]
+    better = variants()[names.index(variant) + 1:]
+    if not better:
+        return "the most demanding build, and this CPU has its flags"
+    missing = sorted(better[0].requires - cpu_flags())
+    if not missing:
+        return f"the best build this CPU runs; {better[0].name} was not built (the compiler did not take it)"
+    return f"the best build this CPU runs; {better[0].name} needs {', '.join(missing)}, which it lacks"
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -287,5 +288,4 @@ def default_ops(device: str = "cpu") -> Ops:
     return Ops(KernelConfig(device=device))
 
 
-__all__ = ["KernelConfig", "KernelReport", "Ops", "QuantizedHead", "QuantizedLinear",
-           "apply_rotary", "default_ops"]
+__all__ = ["KernelConfig", "KernelReport", "Ops", "apply_rotary", "default_ops"]
