@@ -99,10 +99,10 @@ class EngineCore:
                 model = str(default_model_path())
             loaded = load_model(model, device=config.device, dtype=config.dtype, quantization=config.quantization,
                                 ops=self.ops)
-        else:
-            loaded.model.ops = self.ops
             if config.model is None:
                 loaded.name = DEFAULT_NAME
+        else:
+            loaded.model.set_ops(self.ops)
         if config.chat_template is not None:
             override_chat_template(loaded, read_chat_template(config.chat_template))
         elif is_builtin(config.model):  # the built-in model: its template with tools (engine/models/default.py)

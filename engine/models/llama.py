@@ -233,6 +233,14 @@ class LlamaForCausalLM(nn.Module):
         self.ops: Ops = default_ops()               # the op layer (the loader sets the engine's)
         self.mixed = False                          # quantized: bfloat16 between the matmuls (the loader sets it)
 
+    def set_ops(self, ops: Ops) -> None:
+        """The op layer this model (and its quantized modules, which hold one for their own forward) runs on."""
+        self.ops = ops
+        for module in self.modules():
+            holder: Any = module
+            if holder is not self and hasattr(holder, "ops"):
+                holder.ops = ops
+
     @property
     def act_dtype(self) -> torch.dtype:
         """What the matmuls take and give: bfloat16 when mixed, else the model's dtype."""

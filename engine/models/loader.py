@@ -177,11 +177,11 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32", quantiza
         net.lm_head.weight = net.embed_tokens.weight
     load_weights(net, path)
     net = net.to(dtype=torch_dtype)
-    net.ops = ops
     if quantization != "none":
         exact = q4_weights(Path(model).expanduser()) if is_gguf(model) and quantization == "int4" else None
         quantize_model(net, quantization, exact, ops)
         net.mixed = True                  # bfloat16 between the quantized matmuls (kernels/ops.py)
+    net.set_ops(ops)
     net.rotary.inv_freq = rope_inv_freq(args).to(device)  # float32 whatever the weights' dtype
     net.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -162,3 +162,18 @@ def test_building_the_head_leaves_torch_global_generator_alone() -> None:
     torch.manual_seed(7)
     QuantLogits(w, "int4")
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_an_engine_given_a_loaded_model_runs_it_on_its_own_op_layer(tiny_llama_dir: Path) -> None:
+    """The quantized modules hold the op layer for their own forward (the head: its logits); an engine that is
+    handed a model loaded elsewhere (LLMEngine(config, loaded)) puts its own everywhere, or the head would keep
+    the loader's (another batch-invariance setting, another C++ build)."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.models.loader import load_model
+
+    loaded = load_model(str(tiny_llama_dir), quantization="int4")
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), batch_invariant=True, num_kv_blocks=16), loaded)
+    ops = engine.core.ops
+    assert ops.config.batch_invariant and loaded.model.ops is ops and loaded.model.lm_head.ops is ops
+    assert all(layer.self_attn.qkv_proj.ops is ops for layer in loaded.model.layers)
