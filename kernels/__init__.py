@@ -1,19 +1,26 @@
-"""Attention kernels over the paged KV cache and the contiguous (vAttention) one.
+"""The engine's one door to compute: the op layer and the kernels behind it.
 
+    ops                                 Ops: every op the engine calls, the implementation chosen once (CPU
+                                        instruction set, device, batch-invariant mode); KernelReport says which
+    quant_gemm                          the quantized GEMMs (torch's int4 / int8 kernels, oneDNN) and their packing
+    cpu/                                C++ kernels built at install for named instruction sets, chosen at run time
+    cpu_backend                         CPU attention on paged caches: the C++ kernels, torch's flash attention
     torch_backend, contiguous_torch     CPU: torch over block tables / over contiguous slot views
     triton_backend                      GPU: the Triton launchers behind the same protocols, both layouts
     paged_decode, paged_prefill, kv_write, block_copy     the Triton kernels (kernel + launcher each)
     metadata                            AttentionMetadata: the flattened batch every backend reads
 
 No engine imports: the engine calls in, never the reverse. Which kernels read which cache is the KV
-backend's choice (engine/kv/backends/<name>/__init__.py), not this package's."""
+backend's choice (engine/kv/backends/<name>/__init__.py), not this package's. Importing this package
+imports no torch (the engine's config reads kernels/cpu/build.py's variant names without it)."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from kernels.metadata import AttentionMetadata
+    from kernels.metadata import AttentionMetadata
 
 
 class Attention(Protocol):
@@ -40,6 +47,13 @@ class AttentionBackend(Attention, Protocol):
 
     def copy_blocks(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                     src: torch.Tensor, dst: torch.Tensor) -> None: ...
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AttentionMetadata":
+        from kernels.metadata import AttentionMetadata
+        return AttentionMetadata
+    raise AttributeError(name)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "Attention"]

@@ -13,36 +13,54 @@ Prefill is compute-bound, so gathering a sequence's context from its blocks cost
 products; decode is memory-bound, so it never gathers. Caches are float32 or bfloat16 ([num_blocks,
 block_size, Hkv, D] per layer, as every paged backend); every product accumulates in float32.
 
-Without a C++ compiler the decode rows take the torch backend's path (a gather per step); the rest is
-the same.
+Without the C++ kernels (`kernels` None: not built, or turned off) the decode rows take the torch backend's
+path (a gather per step); the rest is the same.
+
+The batch-invariant mode (`invariant`) runs every row through the decode kernel, prompt rows too (a prompt
+token at position p is a decode row over its first p + 1 tokens), with every context cut into splits of
+INVARIANT_SPLIT_TOKENS and no cascade: a row's output is then a function of its own query and the K / V of
+its own context only, bit for bit, whatever the step holds, however its prompt was chunked, whether its
+blocks were computed by a prefill or by decode steps. Prompts attend slower that way (each row reads its
+context; measured in the README).
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.cpu import paged_decode as cpu_decode
-from kernels.cpu import paged_prefill as cpu_prefill
-from kernels.cpu.build import KernelUnavailable
+from kernels.cpu.library import CpuKernels
 from kernels.metadata import AttentionMetadata
 from kernels.torch_backend import TorchAttentionBackend
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+INVARIANT_SPLIT_TOKENS = 512     # the batch-invariant mode's decode split (tokens; a whole number of blocks)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self) -> None:
-        try:
-            cpu_decode._fn()
-            self.compiled = True
-        except KernelUnavailable:
-            self.compiled = False          # decode rows fall back to the torch backend's gather
+    def __init__(self, kernels: CpuKernels | None, invariant: bool = False) -> None:
+        self.kernels = kernels
+        self.invariant = invariant
+        if invariant and kernels is None:
+            raise ValueError("the batch-invariant mode needs the C++ CPU kernels")
+
+    @property
+    def compiled(self) -> bool:
+        return self.kernels is not None
+
+    def _split(self, block_size: int) -> int | None:
+        """Blocks a decode split (None: as many splits as keep the threads busy)."""
+        return max(1, INVARIANT_SPLIT_TOKENS // block_size) if self.invariant else None
+
+    def _plan(self, md: AttentionMetadata, rows: torch.Tensor | None, block_size: int) -> cpu_decode.DecodePlan:
+        return cpu_decode.plan(md.block_tables, md.seq_lens, rows, block_size, cascade=not self.invariant,
+                               split_blocks=self._split(block_size))
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
         """A decode step's layer in one C++ call (write K/V, then attend); anything else as write + forward."""
-        if md.is_decode_only and self.compiled and q.dtype == key.dtype == torch.float32:
+        if md.is_decode_only and self.kernels is not None and q.dtype == key.dtype == torch.float32:
             p = md.scratch.get("cpu_decode_plan")
             if p is None:
                 num_heads, head_dim = q.shape[1], q.shape[2]
@@ -50,16 +68,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 if not cpu_decode.supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype):
                     p = md.scratch["cpu_decode_plan"] = False
                 else:
-                    p = md.scratch["cpu_decode_plan"] = cpu_decode.plan(md.block_tables, md.seq_lens, md.kv_rows,
-                                                                        block_size)
+                    p = md.scratch["cpu_decode_plan"] = self._plan(md, md.kv_rows, block_size)
             if isinstance(p, cpu_decode.DecodePlan):
-                return cpu_decode.paged_decode_write(q, key, value, key_cache, value_cache, p, scale)
+                return self.kernels.decode.write_attend(q, key, value, key_cache, value_cache, p, scale)
         return super().attend(q, key, value, key_cache, value_cache, md, scale)
 
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim], in q's dtype
         dtype, q = q.dtype, q.float()
+        if self.invariant and self.kernels is not None:
+            return self._every_row_decodes(q.contiguous(), key_cache, value_cache, md, scale).to(dtype)
         if md.is_decode_only:
             return self._decode_rows(q, key_cache, value_cache, md.block_tables, md.seq_lens, md.max_seq_len, md,
                                 scale).to(dtype)
@@ -72,8 +91,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
             out[rows] = self._decode_rows(q[rows].contiguous(), key_cache, value_cache, md.block_tables[index],
                                      md.seq_lens[index], max(md.seq_lens_list[i] for i in decode), None, scale)
         prefill = [i for i in range(md.num_seqs) if md.is_prefill(i)]
-        if self.compiled and cpu_prefill.paged_prefill(q, key_cache, value_cache, md.block_tables, md.seq_lens,
-                                                       md.query_start_loc, prefill, scale, out) is not None:
+        if self.kernels is not None and self.kernels.prefill.prefill(
+                q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, prefill, scale,
+                out) is not None:
             return out.to(dtype)
         block_size = key_cache.shape[1]
         for i in prefill:
@@ -91,11 +111,30 @@ class CpuAttentionBackend(TorchAttentionBackend):
                      md: AttentionMetadata | None, scale: float) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-        if self.compiled and cpu_decode.supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype):
-            return cpu_decode.paged_decode(q, key_cache, value_cache, block_tables.contiguous(), seq_lens, scale)
+        if self.kernels is not None and cpu_decode.supports(num_heads, num_kv_heads, head_dim, block_size,
+                                                            key_cache.dtype):
+            return self.kernels.decode.decode(q, key_cache, value_cache, block_tables.contiguous(), seq_lens, scale,
+                                              cascade=not self.invariant, split_blocks=self._split(block_size))
         if md is None:
             md = _decode_metadata(block_tables, seq_lens, max_seq_len)
         return super()._decode(q, key_cache, value_cache, md, scale)
+
+
+    def _every_row_decodes(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           md: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The batch-invariant mode: token j of sequence i, at position p, attends as a decode row of a sequence
+        of p + 1 tokens with i's block table (K / V of the step already written)."""
+        assert self.kernels is not None
+        rows = md.scratch.get("invariant_rows")
+        if rows is None:
+            seq_of_token = torch.repeat_interleave(torch.arange(md.num_seqs), torch.tensor(md.query_lens_list))
+            starts = md.query_start_loc.long()[:-1][seq_of_token]
+            first = (md.seq_lens.long() - torch.tensor(md.query_lens_list))[seq_of_token]
+            lens = (first + torch.arange(q.shape[0]) - starts + 1).to(torch.int32)        # [T]: p + 1
+            rows = md.scratch["invariant_rows"] = (md.block_tables.index_select(0, seq_of_token).contiguous(), lens)
+        tables, lens = rows
+        return self.kernels.decode.decode(q, key_cache, value_cache, tables, lens, scale, cascade=False,
+                                          split_blocks=self._split(key_cache.shape[1]))
 
 
 Q_TILE = 32         # the CPU flash kernel's query block for short queries

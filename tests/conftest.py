@@ -5,6 +5,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.checkpoints import build_tiny
+from tests.helpers.kernels import ensure_built
+
+ensure_built()      # the C++ kernels of a source checkout (pip install builds them; a bare worktree may not have)
 
 ARCHS = ["llama", "mistral", "qwen2"]
 

@@ -95,3 +95,35 @@ def test_every_package_says_what_its_modules_hold() -> None:
         for init in (ROOT / package).rglob("__init__.py"):
             doc = ast.get_docstring(ast.parse(init.read_text()))
             assert doc, f"{init.relative_to(ROOT)} has no docstring"
+
+
+def test_no_import_cycles_in_the_engine_and_the_kernels() -> None:
+    """Modules of engine/ and kernels/ import each other without a cycle (function-level imports included: a
+    late import only hides one)."""
+    def name(path: Path) -> str:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name(f): f for package in ("engine", "kernels") for f in files(package)}
+    graph: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps |= {m for m in [node.module, *(f"{node.module}.{a.name}" for a in node.names)] if m in modules}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in modules}
+        graph[mod] = deps - {mod}
+    done: set[str] = set()
+
+    def visit(mod: str, path: list[str]) -> None:
+        if mod in path:
+            raise AssertionError(" -> ".join(path[path.index(mod):] + [mod]))
+        if mod in done:
+            return
+        for dep in sorted(graph[mod]):
+            visit(dep, path + [mod])
+        done.add(mod)
+
+    for mod in sorted(graph):
+        visit(mod, [])

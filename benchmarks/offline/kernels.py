@@ -1,7 +1,16 @@
-"""GPU benchmark of the paged attention kernels against contiguous SDPA on the same data.
+"""Benchmark of the paged attention kernels: on a GPU, the Triton kernels against contiguous SDPA on the same
+data; on the CPU (`--device cpu`), the C++ kernels of every build this CPU runs (portable, avx2,
+avx512, ...: kernels/cpu/library.py) against each other and against torch's fallbacks.
 
     python benchmarks/offline/kernels.py                 # full sweep, ~a few minutes on an H100
     python benchmarks/offline/kernels.py --quick         # batch {1, 32} x context {1K, 16K}, fewer prefill shapes
+    prefixserve bench kernels --device cpu --quick       # the C++ CPU kernels, SmolLM2's attention shapes
+
+CPU: SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, bf16 cache, block size 16, shuffled
+blocks); decode for batch x context (one layer's call, median wall time of repeated calls, torch's threads);
+the logits reductions (logsumexp + argmax, top-64) over [64, 49152] float32; the fused elementwise ops over 64
+rows (silu_mul [64, 2 x 1536], add_rms_norm [64, 576]). Every build's decode is checked against the torch
+fallback before it is timed. Writes benchmarks/results/kernels_cpu.md and .json.
 
 Llama-3-8B-like attention: 32 query heads, 8 KV heads, head_dim 128, bf16, block size 16, blocks of
 each sequence scattered at random over the cache (as after a while of serving).
@@ -23,6 +32,7 @@ import math
 import re
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -163,13 +173,120 @@ def markdown(device: str, copy_gbps: float, decode: list[dict], prefill: list[di
     return "\n".join(lines)
 
 
+def cpu_time_us(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+CPU_HEADS, CPU_KV_HEADS, CPU_HEAD_DIM, CPU_BLOCK = 9, 3, 64, 16     # SmolLM2-135M's attention
+
+
+def cpu_decode_row(batch: int, context: int, variants: list[str], gen: torch.Generator) -> dict:
+    """One layer's decode call at batch x context: torch's fallback and every build, checked, then timed."""
+    from kernels.cpu import paged_decode as cpu_decode
+    from kernels.cpu.library import load
+    from kernels.cpu_backend import CpuAttentionBackend
+    from kernels.metadata import AttentionMetadata
+
+    heads, kv_heads, head_dim, block = CPU_HEADS, CPU_KV_HEADS, CPU_HEAD_DIM, CPU_BLOCK
+    scale = head_dim ** -0.5
+    nb = -(-context // block)
+    tables = torch.randperm(batch * nb, generator=gen).int().view(batch, nb).contiguous()
+    kc = torch.randn(batch * nb, block, kv_heads, head_dim, generator=gen).bfloat16()
+    vc = torch.randn(batch * nb, block, kv_heads, head_dim, generator=gen).bfloat16()
+    q = torch.randn(batch, heads, head_dim, generator=gen)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    md = AttentionMetadata(kv_rows=torch.zeros(batch, dtype=torch.long), block_tables=tables, seq_lens=lens,
+                           query_start_loc=torch.arange(batch + 1, dtype=torch.int32), seq_lens_list=[context] * batch,
+                           query_lens_list=[1] * batch, max_query_len=1, max_seq_len=context)
+    fallback = CpuAttentionBackend(None)
+    want = fallback.forward(q, kc, vc, md, scale)
+    iters = 20 if batch * context <= 32768 else 5
+    row = {"batch": batch, "context": context, "torch_us": cpu_time_us(lambda: fallback.forward(q, kc, vc, md, scale),
+                                                                       iters)}
+    p = cpu_decode.plan(tables, lens, None, block)
+    out = torch.empty_like(q)
+    for v in variants:
+        k = load(v)
+        torch.testing.assert_close(k.decode.decode(q, kc, vc, tables, lens, scale), want, atol=2e-4, rtol=2e-4)
+        row[f"{v}_us"] = cpu_time_us(lambda k=k: k.decode._call(q, None, None, kc, vc, p, scale, out), iters)
+    return row
+
+
+def bench_cpu(quick: bool) -> None:
+    from kernels.cpu.library import cpu_flags, runnable_variants
+    from kernels.ops import KernelConfig, Ops
+
+    variants = runnable_variants()
+    if not variants:
+        sys.exit("no build of the C++ CPU kernels runs here: `make kernels` (or pip install) builds them")
+    batches, contexts = ([1, 32], [1024]) if quick else ([1, 16, 64], [256, 1024, 4096])
+    gen = torch.Generator().manual_seed(0)
+    rows = [cpu_decode_row(batch, context, variants, gen) for batch in batches for context in contexts]
+    logits = torch.randn(64, 49152, generator=gen) * 4
+    gate_up = torch.randn(64, 2 * 1536, generator=gen).bfloat16()
+    x, r, w = torch.randn(64, 576, generator=gen), torch.randn(64, 576, generator=gen).bfloat16(), torch.rand(576)
+    ops_rows = []
+    impls = [("torch", Ops(KernelConfig(cpu_kernels="none")))] + [(v, Ops(KernelConfig(cpu_kernels=v)))
+                                                                    for v in variants]
+    for name, ops in impls:
+        def stats(ops: Ops = ops, torch_argmax: bool = name == "torch") -> object:
+            return (ops.row_stats(logits), logits.argmax(-1)) if torch_argmax else ops.row_stats(logits)
+        ops_rows.append({
+            "impl": name,
+            "row_stats_us": cpu_time_us(stats, 20),
+            "topk_us": cpu_time_us(lambda ops=ops: ops.topk(logits, 64), 20),
+            "silu_mul_us": cpu_time_us(lambda ops=ops: ops.silu_mul(gate_up, mixed=True), 50),
+            "add_rms_norm_us": cpu_time_us(lambda ops=ops: ops.add_rms_norm(x.clone(), r, w, 1e-5, mixed=True), 50),
+        })
+    flags = cpu_flags()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU")
+    lines = [f"# C++ CPU kernels on {cpu}", "",
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads; builds run here: {', '.join(variants)} "
+             f"(AVX-512: {'yes' if 'avx512f' in flags else 'no'}). Median wall time of repeated calls, µs.", "",
+             "## Paged decode (SmolLM2: 9 q heads, 3 KV heads, head_dim 64, bf16 cache, block 16)", "",
+             "| batch | context | torch (gather + SDPA) | " + " | ".join(variants) + " |",
+             "|---:|---:|---:|" + "---:|" * len(variants)]
+    for row in rows:
+        lines.append(f"| {row['batch']} | {row['context']} | {row['torch_us']:.0f} | "
+                     + " | ".join(f"{row[f'{v}_us']:.0f}" for v in variants) + " |")
+    lines += ["", "## Logits reductions over [64, 49152] and fused elementwise ops over 64 rows", "",
+              "| implementation | logsumexp + argmax | top-64 | silu_mul [64, 3072] | add_rms_norm [64, 576] |",
+              "|---|---:|---:|---:|---:|"]
+    for row in ops_rows:
+        lines.append(f"| {row['impl']} | {row['row_stats_us']:.0f} | {row['topk_us']:.0f} | "
+                     f"{row['silu_mul_us']:.0f} | {row['add_rms_norm_us']:.0f} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "kernels_cpu.md").write_text(table)
+    (RESULTS / "kernels_cpu.json").write_text(json.dumps(dict(cpu=cpu, variants=variants, decode=rows,
+                                                              ops=ops_rows, threads=torch.get_num_threads()),
+                                                         indent=2))
+    print(f"wrote {RESULTS / 'kernels_cpu'}.md and .json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--device", default="cuda", help="cuda (the Triton kernels) or cpu (the C++ CPU kernels)")
+    parser.add_argument("--threads", type=int, default=None, help="cpu: torch's (and the kernels') threads")
     args = parser.parse_args()
+    if args.device == "cpu":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        bench_cpu(args.quick)
+        return
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/offline/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); "
-                 "the kernels' correctness tests run on CPU with `make test` instead.")
+        sys.exit("benchmarks/offline/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False) for the Triton "
+                 "kernels; `--device cpu` times the C++ CPU kernels; the kernels' correctness tests run on CPU with "
+                 "`make test`.")
     if triton.knobs.runtime.interpret:
         sys.exit("unset TRITON_INTERPRET: the benchmark times compiled kernels, not the interpreter")
 

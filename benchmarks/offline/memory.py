@@ -13,7 +13,7 @@ output length o runs o steps, holding prompt .. prompt + o - 1 tokens, then free
 - paged: engine.kv.block_manager.BlockManager over engine.kv.block_pool.BlockPool (the engine's own
   allocator), block size 16; blocks are taken on demand, one more each time a sequence crosses a block
   boundary; when a growing sequence finds no free block the youngest running one is preempted (its
-  blocks freed, requeued at the front), as engine/scheduler.py does.
+  blocks freed, requeued at the front), as engine/sched/scheduler.py does.
 - contiguous: a first-fit allocator over one address range of the same number of token slots; each
   request reserves, at admission, one contiguous chunk and keeps it to the end:
     Orca (Max)    max_model_len slots;

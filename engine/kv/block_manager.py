@@ -3,8 +3,10 @@
 The scheduler talks to this class in sequence ids and token counts; it never sees `Block` objects.
 Standard library only, like the pool.
 
-NOTE: block tables are append-only while a sequence runs. Position p of a sequence lives in
-block_table[p // block_size] at offset p % block_size.
+NOTE: block tables are append-only while a sequence runs, but for copy-on-write, which replaces one block
+in place. Position p of a sequence lives in block_table[p // block_size] at offset p % block_size. The worker
+mirrors the tables in one array (engine/worker/block_table.py) and asks only what changed (`table_delta`) and
+which sequences were freed (`drain_released`).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class SeqBlocks:
     num_cached_blocks: int = 0                                # leading blocks already registered in the pool
     computing: list[BlockHash] = field(default_factory=list)  # prompt blocks it computes for the cache (in flight)
     salt: CacheSalt = ()                                      # mixed into its hashes (block_pool.CacheSalt)
+    synced: int = 0                                           # leading blocks the worker's table already has
 
 
 class Placement(Protocol):
@@ -57,6 +60,7 @@ class BlockManager:
         self._root = root_hash(fingerprint)
         self._seqs: dict[int, SeqBlocks] = {}
         self.pending_copies: list[tuple[int, int]] = []   # (src, dst) block copies for copy-on-write
+        self._released: list[int] = []                    # sequences freed since the worker last asked
         # NOTE: in-flight prefix dedupe. A full prompt block a running sequence is computing now, by hash ->
         # that sequence: a waiting request whose next uncached block is in flight waits for it rather than
         # computing it again (scheduler). Entries leave when the block is cached (commit) or when their
@@ -146,6 +150,7 @@ class BlockManager:
             (new,) = self.pool.allocate(1, self._preferred(seq_id, cow, 1))
             self.pending_copies.append((old.block_id, new.block_id))
             state.blocks[cow] = new
+            state.synced = min(state.synced, cow)
             self.pool.free([old])
         state.blocks.extend(self.pool.allocate(need, self._preferred(seq_id, len(state.blocks), need)))
         return True
@@ -209,11 +214,25 @@ class BlockManager:
                 if self._inflight.get(h) == seq_id:
                     del self._inflight[h]
             self.pool.free(state.blocks)
+            self._released.append(seq_id)
             if self.placement is not None:
                 self.placement.detach(seq_id)
 
     def block_table(self, seq_id: int) -> list[int]:
         return [blk.block_id for blk in self._seqs[seq_id].blocks]
+
+    def table_delta(self, seq_id: int) -> tuple[int, list[int]]:
+        """(start, the block ids from `start` on) of what changed in the sequence's table since the last call
+        (its first call: the whole table); the table holds start + len(ids) blocks."""
+        state = self._seqs[seq_id]
+        start = state.synced
+        state.synced = len(state.blocks)
+        return start, [blk.block_id for blk in state.blocks[start:]]
+
+    def drain_released(self) -> list[int]:
+        """The sequences freed since the last call (their rows in the worker's table are free again)."""
+        out, self._released = self._released, []
+        return out
 
     def num_blocks(self, seq_id: int) -> int:
         return len(self._seqs[seq_id].blocks)
@@ -225,7 +244,7 @@ class BlockManager:
     def cached_blocks(self, token_ids: Seq[int], hashes: Seq[BlockHash] | None = None,
                       salt: CacheSalt = ()) -> list[Block | None]:
         """The cached block of each full block of `token_ids` (None where it is not cached);
-        `hashes`: their chained hashes (hashed with `salt`), if the caller has them. Pins (engine/pinning.py)
+        `hashes`: their chained hashes (hashed with `salt`), if the caller has them. Pins (engine/sched/pinning.py)
         and the admission check read the cache through this one method."""
         if hashes is None:
             hashes = self.block_hashes(token_ids, salt=salt)

@@ -14,7 +14,7 @@ Invariants
 - Events: when a `BlockEvents` sink is given, every change to the set of cached hashes is reported to
   it, in order: `stored` where a block is given its hash, `removed` where a hash is dropped (eviction,
   prefix-cache reset), `cleared` when a reset leaves no hash at all. The pool only calls the sink; what
-  it does with the records (vLLM-format KV events, engine/kv_events.py) is not the pool's business.
+  it does with the records (vLLM-format KV events, engine/kv/events.py) is not the pool's business.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 the msgpack encoding of one batch. The ZMQ sockets (and who may read them) are in engine/kv/event_publisher.py.
 
 What is announced: every change to the set of cached (hashed) blocks of this engine's block pool, as
-the pool reports it (engine/block_pool.py `BlockEvents`): a full block given its hash -> BlockStored,
+the pool reports it (engine/kv/block_pool.py `BlockEvents`): a full block given its hash -> BlockStored,
 a hash dropped (LRU eviction, prefix-cache reset) -> BlockRemoved, a reset that leaves nothing
 cached -> AllBlocksCleared. Pinned prefix blocks are announced like any other when first hashed.
 

@@ -3,6 +3,18 @@
 Covers GQA, QKV bias (Qwen2), tied embeddings, any head_dim, and RoPE scaling types default, linear
 and llama3. The batch is flattened: every tensor's leading dimension is the step's token count, and
 attention reaches the past through the KV cache's block tables (kernels.AttentionMetadata).
+
+One forward for every model and every device: the layers call the op layer (kernels/ops.py), which decides
+which kernels run. A layer takes the residual stream x and the previous layer's output r, and starts with
+their sum and its norm in one op (vLLM's fused residual form):
+
+    x, h = add_rms_norm(x, r)            (the first layer: h = rms_norm(x))
+    q, k, v = qkv_rope(qkv_proj(h))
+    x, h = add_rms_norm(x, o_proj(attend(q, k, v)))
+    r = down_proj(silu_mul(gate_up_proj(h)))         -> (r, x) to the next layer; the model ends with norm(x + r)
+
+A quantized model runs it in mixed precision (`mixed`: bfloat16 between the matmuls, a float32 residual
+stream); otherwise every op is in the model's dtype, as transformers computes it.
 """
 from __future__ import annotations
 
@@ -17,6 +29,7 @@ from torch import nn
 
 from kernels import Attention as AttentionOps
 from kernels import AttentionMetadata
+from kernels.ops import Ops, default_ops
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -26,14 +39,13 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def project(layer: nn.Module, x: torch.Tensor, wide: bool) -> torch.Tensor:
-    """One projection. Quantized layers (engine/models/quant.py) also take `wide`: the step carries a prefill
-    chunk, so they use their bfloat16 GEMM whatever the row count.
+@dataclass(frozen=True)
+class Step:
+    """What every layer of one step shares besides the tensors."""
 
-    NOTE: why per step and not per row count alone: a prompt's tokens must go through the same kernel
-    whether they are computed in one prefill or in two (a registered prefix, then the request's own
-    tokens), or a named prefix would not give the inline request's answer."""
-    return layer(x, wide) if getattr(layer, "takes_wide", False) else layer(x)
+    ops: Ops
+    prefill: bool             # the step computes prompt tokens (quantized layers take their GEMM path by it)
+    mixed: bool               # bfloat16 between the matmuls, a float32 residual stream (quantized models)
 
 
 @dataclass
@@ -119,16 +131,12 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    """The weight and eps of a norm; the op layer computes it (`Ops.rms_norm`)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
 
 
 class Rotary(nn.Module):
@@ -144,12 +152,6 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -160,16 +162,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
         self.scale = args.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
-                wide: bool = False) -> torch.Tensor:
-        # x: [T, hidden]
-        t = x.shape[0]
-        q, k, v = project(self.qkv_proj, x, wide).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = attend(q, k, v)                                                  # [T, H, D]
-        return project(self.o_proj, out.reshape(t, self.q_size), wide)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                step: Step) -> torch.Tensor:
+        # h: [T, hidden] normed -> [T, hidden] in h's dtype
+        t, ops = h.shape[0], step.ops
+        qkv = ops.linear(self.qkv_proj, h, step.prefill)
+        q, k, v = ops.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, step.mixed)
+        out = attend(q, k, v)                                                  # [T, H, D], q's dtype
+        return ops.linear(self.o_proj, out.reshape(t, self.q_size).to(h.dtype), step.prefill)
 
 
 def backend_attend(backend: AttentionOps, md: AttentionMetadata, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -185,9 +185,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
-        gate, up = project(self.gate_up_proj, x, wide).split([self.inter, self.inter], dim=-1)
-        return project(self.down_proj, nn.functional.silu(gate) * up, wide)
+    def forward(self, h: torch.Tensor, step: Step) -> torch.Tensor:
+        ops = step.ops
+        return ops.linear(self.down_proj, ops.silu_mul(ops.linear(self.gate_up_proj, h, step.prefill), step.mixed),
+                          step.prefill)
 
 
 class DecoderLayer(nn.Module):
@@ -198,10 +199,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
-                wide: bool = False) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, wide)
-        return x + self.mlp(self.post_attention_layernorm(x), wide)
+    def forward(self, x: torch.Tensor, r: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream [T, hidden]; r: the previous layer's output to add to it (None: the first
+        layer) -> (this layer's output, the residual stream). Mixed: x float32 may be updated in place."""
+        ops, n_in, n_post = step.ops, self.input_layernorm, self.post_attention_layernorm
+        if r is None:
+            h = ops.rms_norm(x, n_in.weight, n_in.eps, step.mixed)
+        else:
+            x, h = ops.add_rms_norm(x, r, n_in.weight, n_in.eps, step.mixed)
+        a = self.self_attn(h, cos, sin, attend, step)
+        x, h = ops.add_rms_norm(x, a, n_post.weight, n_post.eps, step.mixed)
+        return self.mlp(h, step), x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -221,63 +230,37 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.fast = False                           # the quantized CPU path (enable_fast_path)
+        self.ops: Ops = default_ops()               # the op layer (the loader sets the engine's)
+        self.mixed = False                          # quantized: bfloat16 between the matmuls (the loader sets it)
 
-    def enable_fast_path(self) -> bool:
-        """The quantized CPU path: every projection takes and gives bfloat16 (forward_bf16) and a layer's
-        elementwise work runs fused in C++ (kernels/cpu/fused.cpp); True if it could be turned on."""
-        from kernels.cpu.build import available
-        layers: list[Any] = list(self.layers)
-        projections = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        self.fast = (all(hasattr(m, "forward_bf16") for m in projections) and self.embed_tokens.weight.dtype ==
-                     torch.float32 and self.embed_tokens.weight.device.type == "cpu" and available("fused"))
-        return self.fast
+    def set_ops(self, ops: Ops) -> None:
+        """The op layer this model (and its quantized modules, which hold one for their own forward) runs on."""
+        self.ops = ops
+        for module in self.modules():
+            holder: Any = module
+            if holder is not self and hasattr(holder, "ops"):
+                holder.ops = ops
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """What the matmuls take and give: bfloat16 when mixed, else the model's dtype."""
+        return torch.bfloat16 if self.mixed else self.embed_tokens.weight.dtype
+
+    def step(self, md: AttentionMetadata) -> Step:
+        return Step(self.ops, prefill=not md.is_decode_only, mixed=self.mixed)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, key_caches: torch.Tensor,
                 value_caches: torch.Tensor, md: AttentionMetadata, backend: AttentionOps) -> torch.Tensor:
         # input_ids, positions: [T]; key_caches: [num_layers, num_blocks, block_size, Hkv, D] -> [T, hidden]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        wide = not md.is_decode_only                     # a prefill chunk: quantized layers take their GEMM
-        if self.fast:
-            return self._forward_fast(x, cos, sin, key_caches, value_caches, md, backend, wide)
+        step = self.step(md)
+        r: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, partial(backend_attend, backend, md, key_caches[i], value_caches[i], self.scale),
-                      wide)
-        return self.norm(x)
-
-    def _forward_fast(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_caches: torch.Tensor,
-                      value_caches: torch.Tensor, md: AttentionMetadata, backend: AttentionOps,
-                      wide: bool) -> torch.Tensor:
-        """The same model with bfloat16 between the quantized matmuls and the elementwise work fused (one C++
-        pass a row per step of the layer): x, the residual stream, stays float32 and is updated in place.
-
-            h = rms_norm(x)                               bf16, the matmul input
-            q, k, v = qkv_rope(qkv_proj(h))               float32, rotated
-            x += o_proj(attend(q, k, v)); h = rms_norm(x) one pass
-            x += down(silu_mul(gate_up(h))); h = next layer's rms_norm(x)
-        """
-        from kernels.cpu import fused
-
-        args = self.args
-        t = x.shape[0]
-        layers: list[Any] = list(self.layers)            # their projections are quantized modules by now
-        h = fused.rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
-        for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = attn.qkv_proj.forward_bf16(h, wide)
-            q, k, v = fused.qkv_rope(qkv, cos, sin, args.num_heads, args.num_kv_heads, args.head_dim)
-            o = backend.attend(q, k, v, key_caches[i], value_caches[i], md, self.scale)       # [T, H, D] f32
-            a = attn.o_proj.forward_bf16(o.reshape(t, attn.q_size).to(torch.bfloat16), wide)
-            h = fused.add_rms_norm(x, a, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-            d = mlp.down_proj.forward_bf16(fused.silu_mul(mlp.gate_up_proj.forward_bf16(h, wide)), wide)
-            if i + 1 < len(layers):
-                nxt = layers[i + 1].input_layernorm
-                h = fused.add_rms_norm(x, d, nxt.weight, nxt.eps)
-            else:
-                x += d.float()
-        return self.norm(x)
+            r, x = layer(x, r, cos, sin, partial(backend_attend, backend, md, key_caches[i], value_caches[i],
+                                                 self.scale), step)
+        return self.ops.final_norm(x, r, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 [N, vocab]: a plain head's linear, or a quantized head's (it calls Ops.logits)."""
         return self.lm_head(hidden).float()

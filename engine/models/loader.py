@@ -17,6 +17,7 @@ from safetensors import safe_open
 from engine.models.gguf import checkpoint_dir, file_digest, is_gguf, native_quantization, q4_weights, stored_fingerprint
 from engine.models.llama import LlamaForCausalLM, ModelArgs, rope_inv_freq
 from engine.models.quant import QUANTIZATIONS, quantize_model
+from kernels.ops import Ops, default_ops
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -150,16 +151,19 @@ def weights_digest(path: Path, cache_dir: Path | None = None) -> str:
     return _digest(*parts)
 
 
-def load_model(model: str, device: str = "cpu", dtype: str = "float32", quantization: str | None = None) -> LoadedModel:
-    """`quantization`: none, int8 or int4; None: the checkpoint's own (a GGUF's, on the CPU; none otherwise)."""
+def load_model(model: str, device: str = "cpu", dtype: str = "float32", quantization: str | None = None,
+               ops: Ops | None = None) -> LoadedModel:
+    """`quantization`: none, int8 or int4; None: the checkpoint's own (a GGUF's, where the op layer has quantized
+    GEMMs: on the CPU; none otherwise). `ops`: the op layer the model runs on (default: one for `device`)."""
     from transformers import AutoTokenizer
 
-    on_cpu = torch.device(device).type == "cpu"
+    ops = ops or default_ops(device)
     if quantization is None:
-        quantization = native_quantization(Path(model).expanduser()) if is_gguf(model) and on_cpu else "none"
+        quantization = native_quantization(Path(model).expanduser()) if is_gguf(model) and ops.quantized_gemms \
+            else "none"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if quantization != "none" and not on_cpu:
+    if quantization != "none" and not ops.quantized_gemms:
         raise ValueError(f"quantization {quantization!r} runs on the CPU only for now; use quantization 'none'")
 
     path = resolve_model_path(model)
@@ -175,8 +179,9 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32", quantiza
     net = net.to(dtype=torch_dtype)
     if quantization != "none":
         exact = q4_weights(Path(model).expanduser()) if is_gguf(model) and quantization == "int4" else None
-        quantize_model(net, quantization, exact)
-        net.enable_fast_path()
+        quantize_model(net, quantization, exact, ops)
+        net.mixed = True                  # bfloat16 between the quantized matmuls (kernels/ops.py)
+    net.set_ops(ops)
     net.rotary.inv_freq = rope_inv_freq(args).to(device)  # float32 whatever the weights' dtype
     net.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import json
 import os
 import selectors
 import signal
@@ -189,6 +190,30 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
 
 # -- the zygote (python -m engine.sample.grammar_probe FD) ----------------------------------------------------
 
+def compile_spec(compiler: Any, kind: str, value: str) -> Any:
+    """A spec's compiled grammar (kind, value: a StructuredSpec's), by `compiler` (an xgrammar GrammarCompiler):
+    in a probe's child, then in the engine's process (engine/sample/structured.py). Here, so that the probe's
+    helper needs nothing of the module that uses it."""
+    import xgrammar as xgr
+    if kind == "json":
+        any_object = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        return compiler.compile_grammar(str(any_object))
+    if kind == "json_schema":
+        # NOTE: compact separators (a model does not wander into whitespace), and strings whose
+        # length the schema bounds kept free of raw control characters: xgrammar's length-bounded
+        # string rule admits U+0000-U+001F, which JSON forbids unescaped.
+        grammar = xgr.Grammar.from_json_schema(value, any_whitespace=False, strict_mode=True)
+        ebnf = str(grammar).replace('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\]')
+        return compiler.compile_grammar(ebnf)
+    if kind == "regex":
+        return compiler.compile_regex(value)
+    if kind == "choice":
+        options = json.loads(value)
+        rule = " | ".join(json.dumps(o) for o in options)
+        return compiler.compile_grammar(f"root ::= {rule}")
+    return compiler.compile_grammar(value)
+
+
 def _child(write_fd: int, compile_spec: Any, compiler: Any, kind: str, value: str) -> None:
     """In a forked child: compile, report (b"k" compiled, b"e" + message failed), exit."""
     if sys.platform == "linux":         # killed with the zygote, whatever kills it
@@ -214,7 +239,6 @@ def main(fd: int) -> None:
     info_json = conn.recv()
     import xgrammar as xgr
 
-    from engine.sample.structured import compile_spec
     info = xgr.TokenizerInfo.deserialize_json(info_json)
     sel = selectors.DefaultSelector()
     sel.register(conn.fileno(), selectors.EVENT_READ, None)

@@ -29,7 +29,7 @@ import torch
 
 from engine.errors import InvalidRequest
 from engine.sample.grammar_cache import GrammarCache
-from engine.sample.grammar_probe import CompileCancelled, CompileTimedOut, GrammarProbe
+from engine.sample.grammar_probe import CompileCancelled, CompileTimedOut, GrammarProbe, compile_spec
 
 Kind = Literal["json", "json_schema", "regex", "choice", "grammar"]
 
@@ -46,28 +46,6 @@ class StructuredSpec:
     @classmethod
     def choice(cls, options: list[str], param: str = "guided_choice") -> StructuredSpec:
         return cls("choice", json.dumps(options), param)
-
-
-def compile_spec(compiler: Any, kind: str, value: str) -> Any:
-    """A spec's compiled grammar, by `compiler` (an xgrammar GrammarCompiler; here or in a probe's child)."""
-    import xgrammar as xgr
-    if kind == "json":
-        any_object = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
-        return compiler.compile_grammar(str(any_object))
-    if kind == "json_schema":
-        # NOTE: compact separators (a model does not wander into whitespace), and strings whose
-        # length the schema bounds kept free of raw control characters: xgrammar's length-bounded
-        # string rule admits U+0000-U+001F, which JSON forbids unescaped.
-        grammar = xgr.Grammar.from_json_schema(value, any_whitespace=False, strict_mode=True)
-        ebnf = str(grammar).replace('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\]')
-        return compiler.compile_grammar(ebnf)
-    if kind == "regex":
-        return compiler.compile_regex(value)
-    if kind == "choice":
-        options = json.loads(value)
-        rule = " | ".join(json.dumps(o) for o in options)
-        return compiler.compile_grammar(f"root ::= {rule}")
-    return compiler.compile_grammar(value)
 
 
 class Grammars:

@@ -14,6 +14,8 @@ Design, measured on SmolLM2-135M, int4, 2-core CPU (benchmarks/README.md, "decod
   graph measured within noise of the per-layer one, its start ten times longer).
 - static shapes per bucket (1, 2, 4, 8, 16, 32, capped by max_num_seqs), the batch padded up; dynamic
   shapes specialize 1 anyway and recompile on the context length.
+- the op layer (kernels/ops.py) runs its torch implementations in the whole engine when the decode step is
+  compiled (`KernelConfig.traced`): a ctypes call cannot be traced, and prefill must compute what decode does.
 - attention stays outside the graph: written inside it, the KV write is a mutation of a graph input,
   which inductor turned into a copy of the whole cache per layer (2.2 s per step, measured); the custom
   op reads the cache it is given and the step's metadata from a thread-local context (vLLM does the
@@ -32,7 +34,7 @@ import time
 import torch
 from torch import nn
 
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, Step
 from kernels import Attention, AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -60,10 +62,11 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor
     return torch.empty_like(q)
 
 
-def _layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
-           value_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    return layer(x, cos, sin, lambda q, k, v: torch.ops.prefixserve.decode_attention(q, k, v, key_cache, value_cache,
-                                                                                     scale))
+def _layer(layer: nn.Module, x: torch.Tensor, r: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float, step: Step) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+    return layer(x, r, cos, sin, lambda q, k, v: torch.ops.prefixserve.decode_attention(q, k, v, key_cache,
+                                                                                        value_cache, scale), step)
 
 
 class CompiledDecode:
@@ -117,8 +120,11 @@ class CompiledDecode:
         try:
             x = model.embed_tokens(input_ids)
             cos, sin = model.rotary(positions, x.dtype)
+            step = model.step(md)
+            # the first layer adds a zero output (x + 0 is x, bit for bit): every layer is one graph
+            r = x.new_zeros(x.shape, dtype=model.act_dtype)
             for i, layer in enumerate(model.layers):          # key_caches: [num_layers, ...]
-                x = self._layer(layer, x, cos, sin, key_caches[i], value_caches[i], model.scale)
-            return model.norm(x)
+                r, x = self._layer(layer, x, r, cos, sin, key_caches[i], value_caches[i], model.scale, step)
+            return model.ops.final_norm(x, r, model.norm.weight, model.norm.eps)
         finally:
             _step.md = _step.backend = None

@@ -4,6 +4,7 @@ Per step the runner builds, with numpy rather than per-token Python loops:
   input_ids [T], positions [T], kv_rows [T], seq_lens [S], query_start_loc [S + 1], and
   logits_indices [N]: the last token of each sequence that samples; the KV cache adds where the tokens
   live (engine/kv/backends/base.Addressing): block_tables [S, max_blocks] (paged) or slot_ids [S] (vAttention).
+The block tables are rows of a persistent array updated in place with what changed (block_table.py).
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import numpy as np
 import torch
 
 from engine.kv.backends.base import KVStore
+from engine.kv.block_manager import BlockManager
 from engine.models.llama import LlamaForCausalLM
 from engine.sched.scheduler import ScheduledSeq
+from engine.worker.block_table import BlockTables
 from engine.worker.compiled_decode import CompiledDecode
 from kernels import Attention, AttentionMetadata
 
@@ -30,9 +33,10 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVStore, backend: Attention,
-                 device: str | torch.device) -> None:
+                 device: str | torch.device, manager: BlockManager) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.tables = BlockTables(manager)
         self.backend = backend
         self.device = torch.device(device)
         self.compiled: CompiledDecode | None = None      # set by compile_decode()
@@ -49,7 +53,7 @@ class ModelRunner:
             log.error("compiling the decode step failed; decoding eagerly: %s", self.compiled.failed, exc_info=True)
             return 0.0
 
-    def prepare(self, batch: list[ScheduledSeq], block_tables: list[list[int]]) -> tuple[
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[
             torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         query_lens = [s.num_new for s in batch]
         starts = [s.seq.num_computed for s in batch]
@@ -64,8 +68,9 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(len(batch)), query_lens)
         positions = np.asarray(starts, dtype=np.int64)[seq_of_token] + (np.arange(total) - qsl[:-1][seq_of_token])
         decoding = [s.seq.num_computed >= s.seq.num_prompt_tokens for s in batch]
-        where = self.kv_cache.addressing([s.seq.seq_id for s in batch], block_tables, seq_lens, seq_of_token,
-                                         positions, decoding)
+        seq_ids = [s.seq.seq_id for s in batch]
+        where = self.kv_cache.addressing(seq_ids, self.tables.step(seq_ids), seq_lens, seq_of_token, positions,
+                                         decoding)
         logits_indices = [int(qsl[i + 1]) - 1 for i, s in enumerate(batch) if s.sample]
         dev = self.device
         tables = where.block_tables if where.block_tables is not None else np.zeros((len(batch), 0), np.int32)
@@ -85,12 +90,12 @@ class ModelRunner:
                 torch.tensor(logits_indices, dtype=torch.long, device=dev))
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq], block_tables: list[list[int]],
-                copies: list[tuple[int, int]], extra_rows: list[int] | None = None) -> StepLogits:
+    def execute(self, batch: list[ScheduledSeq], copies: list[tuple[int, int]],
+                extra_rows: list[int] | None = None) -> StepLogits:
         """Runs one step: float32 logits [N, V] for the sequences with `sample` set, in order, and for
         `extra_rows` (rows of the flattened batch: prompt positions whose log-probabilities were asked)."""
         self.kv_cache.copy_blocks(copies)
-        input_ids, positions, md, logits_indices = self.prepare(batch, block_tables)
+        input_ids, positions, md, logits_indices = self.prepare(batch)
         key, value = self.kv_cache.layers()
         hidden = None
         if self.compiled is not None and self.compiled.fits(md):

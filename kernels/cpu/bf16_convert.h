@@ -2,7 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -31,6 +31,14 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {   // 16 bfloat16 -> 16 float32
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
+#if defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {    // 8 bfloat16 -> 8 float32
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(p))), 16));
 }
 #endif
 

@@ -3,12 +3,8 @@ outputs allocated. Rows are [T, width] with a row stride and the last dimension 
 from __future__ import annotations
 
 import ctypes
-import functools
-from typing import Any
 
 import torch
-
-from kernels.cpu.build import load
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -19,61 +15,65 @@ _SIGNATURES = {
 }
 
 
-@functools.cache
-def _fn(name: str) -> Any:
-    f = getattr(load("fused"), name)
-    f.argtypes = _SIGNATURES[name]
-    f.restype = None
-    return f
-
-
 def _rows(x: torch.Tensor, dtype: torch.dtype) -> None:
     assert x.dim() == 2 and x.dtype == dtype and x.stride(1) == 1 and x.device.type == "cpu", (x.shape, x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """bf16(weight * x * rsqrt(mean(x^2) + eps)); x [T, H] float32."""
-    _rows(x, torch.float32)
-    assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (x.shape[1],)
-    y = torch.empty(x.shape, dtype=torch.bfloat16)
-    _fn("prefixserve_rms_norm")(x.data_ptr(), x.stride(0), weight.data_ptr(), eps, y.data_ptr(), y.stride(0),
-                                x.shape[0], x.shape[1])
-    return y
+class Fused:
+    """The kernels of one build (kernels/cpu/library.py loads it)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, argtypes in _SIGNATURES.items():
+            f = getattr(lib, name)
+            f.argtypes = argtypes
+            f.restype = None
+        self._lib = lib
+        lib.prefixserve_fused_path.restype = ctypes.c_char_p
+        self.path: str = lib.prefixserve_fused_path().decode()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """bf16(weight * x * rsqrt(mean(x^2) + eps)); x [T, H] float32."""
+        _rows(x, torch.float32)
+        assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (x.shape[1],)
+        y = torch.empty(x.shape, dtype=torch.bfloat16)
+        self._lib.prefixserve_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), eps, y.data_ptr(), y.stride(0),
+                                       x.shape[0], x.shape[1])
+        return y
+
+    def add_rms_norm(self, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x += r (in place, float32; r bfloat16), then rms_norm(x)."""
+        _rows(x, torch.float32)
+        _rows(r, torch.bfloat16)
+        assert r.shape == x.shape and weight.dtype == torch.float32 and weight.is_contiguous()
+        y = torch.empty(x.shape, dtype=torch.bfloat16)
+        self._lib.prefixserve_add_rms_norm(x.data_ptr(), x.stride(0), r.data_ptr(), r.stride(0), weight.data_ptr(),
+                                           eps, y.data_ptr(), y.stride(0), x.shape[0], x.shape[1])
+        return y
+
+    def qkv_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k, v [T, Hkv, D] float32 from a bfloat16 [T, (H + 2 Hkv) D] projection; q and k rotated by
+        cos, sin [T, D] (or [T, 1, D]), NeoX halves."""
+        _rows(qkv, torch.bfloat16)
+        t = qkv.shape[0]
+        assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
+        cos, sin = cos.reshape(t, head_dim), sin.reshape(t, head_dim)
+        assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        q = torch.empty(t, num_heads, head_dim)
+        k = torch.empty(t, num_kv_heads, head_dim)
+        v = torch.empty(t, num_kv_heads, head_dim)
+        self._lib.prefixserve_qkv_rope(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                                       k.data_ptr(), v.data_ptr(), t, num_heads, num_kv_heads, head_dim)
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """bf16(silu(gate) * up) of a bfloat16 [T, 2I] = [gate | up]."""
+        _rows(gate_up, torch.bfloat16)
+        inter = gate_up.shape[1] // 2
+        y = torch.empty(gate_up.shape[0], inter, dtype=torch.bfloat16)
+        self._lib.prefixserve_silu_mul(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), y.stride(0),
+                                       gate_up.shape[0], inter)
+        return y
 
 
-def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x += r (in place, float32; r bfloat16), then rms_norm(x)."""
-    _rows(x, torch.float32)
-    _rows(r, torch.bfloat16)
-    assert r.shape == x.shape and weight.dtype == torch.float32 and weight.is_contiguous()
-    y = torch.empty(x.shape, dtype=torch.bfloat16)
-    _fn("prefixserve_add_rms_norm")(x.data_ptr(), x.stride(0), r.data_ptr(), r.stride(0), weight.data_ptr(), eps,
-                                    y.data_ptr(), y.stride(0), x.shape[0], x.shape[1])
-    return y
-
-
-def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-             head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [T, H, D], k, v [T, Hkv, D] float32 from a bfloat16 [T, (H + 2 Hkv) D] projection; q and k rotated by
-    cos, sin [T, D] (or [T, 1, D]), NeoX halves."""
-    _rows(qkv, torch.bfloat16)
-    t = qkv.shape[0]
-    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
-    cos, sin = cos.reshape(t, head_dim), sin.reshape(t, head_dim)
-    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-    q = torch.empty(t, num_heads, head_dim)
-    k = torch.empty(t, num_kv_heads, head_dim)
-    v = torch.empty(t, num_kv_heads, head_dim)
-    _fn("prefixserve_qkv_rope")(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                                k.data_ptr(), v.data_ptr(), t, num_heads, num_kv_heads, head_dim)
-    return q, k, v
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """bf16(silu(gate) * up) of a bfloat16 [T, 2I] = [gate | up]."""
-    _rows(gate_up, torch.bfloat16)
-    inter = gate_up.shape[1] // 2
-    y = torch.empty(gate_up.shape[0], inter, dtype=torch.bfloat16)
-    _fn("prefixserve_silu_mul")(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), y.stride(0), gate_up.shape[0],
-                                inter)
-    return y
+__all__ = ["Fused"]

@@ -18,8 +18,11 @@
 #include <omp.h>
 #include "bf16_convert.h"
 #include "simd_math.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PREFIXSERVE_AVX2 1
 #endif
 
 namespace {
@@ -29,8 +32,6 @@ constexpr int MAX_K = 64;
 
 
 
-bool g_generic = false;       // tests: run the portable loops even where AVX-512 is there
-
 // One row: (max, first index of the max, any NaN).
 void row_max(const float* x, int V, float* mx, int64_t* arg, bool* nan) {
     int v = 0;
@@ -38,7 +39,7 @@ void row_max(const float* x, int V, float* mx, int64_t* arg, bool* nan) {
     int64_t at = 0;
     bool has_nan = false;
 #if defined(__AVX512F__)
-    if (!g_generic && V >= 16) {
+    if (V >= 16) {
         __m512 m = _mm512_set1_ps(-INFINITY);
         __m512i idx = _mm512_setzero_si512();
         __m512i cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -60,6 +61,29 @@ void row_max(const float* x, int V, float* mx, int64_t* arg, bool* nan) {
         for (int l = 0; l < 16; ++l)                         // the row's max; of equal ones the first index
             if (mv[l] > best || (mv[l] == best && iv[l] < at)) { best = mv[l]; at = iv[l]; }
     }
+#elif defined(PREFIXSERVE_AVX2)
+    if (V >= 8) {
+        __m256 m = _mm256_set1_ps(-INFINITY);
+        __m256i idx = _mm256_setzero_si256();
+        __m256i cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i step = _mm256_set1_epi32(8);
+        __m256 unord = _mm256_setzero_ps();
+        for (; v + 8 <= V; v += 8) {
+            const __m256 a = _mm256_loadu_ps(x + v);
+            unord = _mm256_or_ps(unord, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+            const __m256 gt = _mm256_cmp_ps(a, m, _CMP_GT_OQ);           // strictly: each lane keeps its first
+            m = _mm256_blendv_ps(m, a, gt);
+            idx = _mm256_blendv_epi8(idx, cur, _mm256_castps_si256(gt));
+            cur = _mm256_add_epi32(cur, step);
+        }
+        alignas(32) float mv[8];
+        alignas(32) int32_t iv[8];
+        _mm256_store_ps(mv, m);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(iv), idx);
+        has_nan = _mm256_movemask_ps(unord) != 0;
+        for (int l = 0; l < 8; ++l)                          // the row's max; of equal ones the first index
+            if (mv[l] > best || (mv[l] == best && iv[l] < at)) { best = mv[l]; at = iv[l]; }
+    }
 #endif
     for (; v < V; ++v) {
         const float a = x[v];
@@ -76,7 +100,7 @@ double row_sum_exp(const float* x, int V, float shift) {
     int v = 0;
     double total = 0.0;
 #if defined(__AVX512F__)
-    if (!g_generic) {
+    {
         const __m512 s = _mm512_set1_ps(shift);
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
         for (; v + 32 <= V; v += 32) {
@@ -85,6 +109,18 @@ double row_sum_exp(const float* x, int V, float shift) {
         }
         alignas(64) float lanes[16];
         _mm512_store_ps(lanes, _mm512_add_ps(acc0, acc1));
+        for (float l : lanes) total += l;
+    }
+#elif defined(PREFIXSERVE_AVX2)
+    {
+        const __m256 s = _mm256_set1_ps(shift);
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (; v + 16 <= V; v += 16) {
+            acc0 = _mm256_add_ps(acc0, prefixserve_simd::exp256(_mm256_sub_ps(_mm256_loadu_ps(x + v), s)));
+            acc1 = _mm256_add_ps(acc1, prefixserve_simd::exp256(_mm256_sub_ps(_mm256_loadu_ps(x + v + 8), s)));
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
         for (float l : lanes) total += l;
     }
 #endif
@@ -111,10 +147,22 @@ void row_topk(const X* x, int V, int k, int64_t* out) {
     };
     int v = n;
 #if defined(__AVX512F__)
-    if (!g_generic) {
+    {
         for (; v + 16 <= V; v += 16) {
             const __m512 a = load16(x + v);
             __mmask16 gt = _mm512_cmp_ps_mask(a, _mm512_set1_ps(val[lo]), _CMP_GT_OQ);
+            while (gt) {
+                const int l = __builtin_ctz(gt);
+                gt &= gt - 1;
+                offer(v + l, to_float(x[v + l]));
+            }
+        }
+    }
+#elif defined(PREFIXSERVE_AVX2)
+    {
+        for (; v + 8 <= V; v += 8) {
+            const __m256 a = load8(x + v);
+            unsigned gt = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(val[lo]), _CMP_GT_OQ)));
             while (gt) {
                 const int l = __builtin_ctz(gt);
                 gt &= gt - 1;
@@ -132,10 +180,19 @@ float row_dot(const W* w, const float* x, int H) {
     int h = 0;
     float total = 0.f;
 #if defined(__AVX512F__)
-    if (!g_generic) {
+    {
         __m512 acc = _mm512_setzero_ps();
         for (; h + 16 <= H; h += 16) acc = _mm512_fmadd_ps(load16(w + h), _mm512_loadu_ps(x + h), acc);
         total = _mm512_reduce_add_ps(acc);
+    }
+#elif defined(PREFIXSERVE_AVX2)
+    {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (; h + 16 <= H; h += 16) {
+            acc0 = _mm256_fmadd_ps(load8(w + h), _mm256_loadu_ps(x + h), acc0);
+            acc1 = _mm256_fmadd_ps(load8(w + h + 8), _mm256_loadu_ps(x + h + 8), acc1);
+        }
+        total = prefixserve_simd::hsum256(_mm256_add_ps(acc0, acc1));
     }
 #endif
     for (; h < H; ++h) total += to_float(w[h]) * x[h];
@@ -188,13 +245,14 @@ void prefixserve_refine(const float* x, int64_t x_stride, const void* w, int dty
     }
 }
 
-// Tests: 1 runs the portable loops even where AVX-512 is there; returns whether AVX-512 loops exist.
-int prefixserve_logits_generic(int on) {
-    g_generic = on != 0;
+// The loops this build runs: "avx512", "avx2" or "generic".
+const char* prefixserve_logits_path() {
 #if defined(__AVX512F__)
-    return 1;
+    return "avx512";
+#elif defined(PREFIXSERVE_AVX2)
+    return "avx2";
 #else
-    return 0;
+    return "generic";
 #endif
 }
 

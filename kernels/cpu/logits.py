@@ -10,44 +10,19 @@ from cache) where torch runs logsumexp, argmax and topk as separate passes over 
                       NaN is never chosen over a number
     refine(logits, top, x, w)
                       logits [T, V] float32, top [T, k] int64, x [T, H] float32, w [V, H] float32 or bfloat16:
-                      logits[t, top[t, j]] = w[top[t, j]] . x[t] in float32 (lanes of 16, then their sum:
+                      logits[t, top[t, j]] = w[top[t, j]] . x[t] in float32 (vector lanes, then their sum:
                       torch's einsum within float32 rounding), in place; w's rows are read where they lie
 
-`available()` says whether the kernel builds here (a C++ compiler); callers keep torch's operators otherwise.
+Each row's result depends on that row only (the batch-invariant mode relies on it).
 """
 from __future__ import annotations
 
 import ctypes
-import functools
-from typing import Any
 
 import torch
 
-from kernels.cpu.build import available as _built
-from kernels.cpu.build import load
-
 MAX_K = 64
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-@functools.cache
-def _lib() -> Any:
-    lib = load("logits")
-    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.prefixserve_row_stats.argtypes = [p, i64, i, i, p, p]
-    lib.prefixserve_row_stats.restype = None
-    lib.prefixserve_row_topk.argtypes = [p, i, i64, i, i, i, p]
-    lib.prefixserve_row_topk.restype = ctypes.c_int
-    lib.prefixserve_refine.argtypes = [p, i64, p, i, i64, p, i, i, i, p, i64]
-    lib.prefixserve_refine.restype = None
-    lib.prefixserve_logits_generic.argtypes = [i]
-    lib.prefixserve_logits_generic.restype = ctypes.c_int
-    return lib
-
-
-@functools.cache
-def available() -> bool:
-    return _built("logits")
 
 
 def _check(x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -55,40 +30,51 @@ def _check(x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
     assert x.shape[1] < 2**31 and x.shape[0] < 2**31
 
 
-def row_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(x, (torch.float32,))
-    lse = torch.empty(x.shape[0], dtype=torch.float32)
-    arg = torch.empty(x.shape[0], dtype=torch.int64)
-    if x.shape[0] and x.shape[1]:
-        _lib().prefixserve_row_stats(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], lse.data_ptr(),
-                                     arg.data_ptr())
-    return lse, arg
+class Logits:
+    """The kernels of one build (kernels/cpu/library.py loads it)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        lib.prefixserve_row_stats.argtypes = [p, i64, i, i, p, p]
+        lib.prefixserve_row_stats.restype = None
+        lib.prefixserve_row_topk.argtypes = [p, i, i64, i, i, i, p]
+        lib.prefixserve_row_topk.restype = ctypes.c_int
+        lib.prefixserve_refine.argtypes = [p, i64, p, i, i64, p, i, i, i, p, i64]
+        lib.prefixserve_refine.restype = None
+        lib.prefixserve_logits_path.restype = ctypes.c_char_p
+        self._lib = lib
+        self.path: str = lib.prefixserve_logits_path().decode()     # the loops it runs: avx512, avx2, generic
+
+    def row_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _check(x, (torch.float32,))
+        lse = torch.empty(x.shape[0], dtype=torch.float32)
+        arg = torch.empty(x.shape[0], dtype=torch.int64)
+        if x.shape[0] and x.shape[1]:
+            self._lib.prefixserve_row_stats(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], lse.data_ptr(),
+                                            arg.data_ptr())
+        return lse, arg
+
+    def row_topk(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        _check(x, tuple(_DTYPES))
+        assert 1 <= k <= min(MAX_K, x.shape[1]), (k, x.shape)
+        out = torch.empty(x.shape[0], k, dtype=torch.int64)
+        if x.shape[0]:
+            rc = self._lib.prefixserve_row_topk(x.data_ptr(), _DTYPES[x.dtype], x.stride(0), x.shape[0], x.shape[1],
+                                                k, out.data_ptr())
+            assert rc == 0, rc
+        return out
+
+    def refine(self, logits: torch.Tensor, top: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        _check(logits, (torch.float32,))
+        _check(x, (torch.float32,))
+        _check(w, tuple(_DTYPES))
+        T, k = top.shape
+        assert top.dtype == torch.int64 and top.is_contiguous() and x.shape[0] == logits.shape[0] == T
+        assert w.shape[1] == x.shape[1] and w.shape[0] == logits.shape[1] and w.shape[0] < 2**31
+        if T and k:
+            self._lib.prefixserve_refine(x.data_ptr(), x.stride(0), w.data_ptr(), _DTYPES[w.dtype], w.stride(0),
+                                         top.data_ptr(), T, k, x.shape[1], logits.data_ptr(), logits.stride(0))
+        return logits
 
 
-def row_topk(x: torch.Tensor, k: int) -> torch.Tensor:
-    _check(x, tuple(_DTYPES))
-    assert 1 <= k <= min(MAX_K, x.shape[1]), (k, x.shape)
-    out = torch.empty(x.shape[0], k, dtype=torch.int64)
-    if x.shape[0]:
-        rc = _lib().prefixserve_row_topk(x.data_ptr(), _DTYPES[x.dtype], x.stride(0), x.shape[0], x.shape[1], k,
-                                         out.data_ptr())
-        assert rc == 0, rc
-    return out
-
-
-def refine(logits: torch.Tensor, top: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    _check(logits, (torch.float32,))
-    _check(x, (torch.float32,))
-    _check(w, tuple(_DTYPES))
-    T, k = top.shape
-    assert top.dtype == torch.int64 and top.is_contiguous() and x.shape[0] == logits.shape[0] == T
-    assert w.shape[1] == x.shape[1] and w.shape[0] == logits.shape[1] and w.shape[0] < 2**31
-    if T and k:
-        _lib().prefixserve_refine(x.data_ptr(), x.stride(0), w.data_ptr(), _DTYPES[w.dtype], w.stride(0),
-                                  top.data_ptr(), T, k, x.shape[1], logits.data_ptr(), logits.stride(0))
-    return logits
-
-
-def set_generic(on: bool) -> bool:
-    """Tests: run the portable loops instead of the AVX-512 ones; returns whether AVX-512 loops exist."""
-    return bool(_lib().prefixserve_logits_generic(int(on)))
+__all__ = ["MAX_K", "Logits"]

@@ -19,7 +19,7 @@
 #include <omp.h>
 #include "bf16_convert.h"
 #include "simd_math.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -38,8 +38,6 @@ struct Args {
     float* out; int S, H, Hkv, D, B; float scale;
     int64_t kc_blk, kc_tok, kc_head, vc_blk, vc_tok, vc_head;
 };
-
-bool g_generic = false;       // tests: run the portable loops even where AVX-512 is there
 
 // An item's query rows for one KV head: row x is member x / G's head h * G + x % G. Its running state lives
 // in the item's partials: st = part + (member * H + head) * (D + 2) = {max, sum, accumulator[D]}.
@@ -60,7 +58,7 @@ inline Rows rows_of(const float* qs, float* part, int nmem, int h, int H, int G,
     return r;
 }
 
-// The portable loops (any CPU): token by token, row by row.
+// The portable loops (a CPU without AVX2): token by token, row by row.
 template <typename KV>
 void tile_generic(const Rows& r, const KV* const* krow, const KV* const* vrow, int n, int D, float* sc,
                   int sc_stride) {
@@ -252,6 +250,121 @@ void tile_avx512(const Rows& r, const KV* const* krow, const KV* const* vrow, in
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PREFIXSERVE_AVX2 1
+using prefixserve_simd::exp256;
+using prefixserve_simd::first_lanes;
+using prefixserve_simd::hmax256;
+using prefixserve_simd::hsum256;
+using prefixserve_simd::transpose8;
+
+// K rows k[0..m) (m <= 8, one pointer a token), transposed to float32: kt[d * 8 + j] = k[j][d], zero past m.
+template <typename KV>
+inline void transpose_k8(const KV* const* k, int m, int D, float* kt) {
+    for (int d0 = 0; d0 < D; d0 += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = j < m ? load8(k[j] + d0) : _mm256_setzero_ps();
+        transpose8(r);
+        for (int x = 0; x < 8; ++x) _mm256_store_ps(kt + (d0 + x) * 8, r[x]);
+    }
+}
+
+// Scores of T rows for C chunks of 8 tokens (as scores_tile, 8 lanes): T * C independent sums.
+template <int T, int C>
+inline void scores_tile8(const float* const* q, const float* kt, int D, float* sc, int sc_stride) {
+    __m256 s[T][C];
+    for (int t = 0; t < T; ++t)
+        for (int c = 0; c < C; ++c) s[t][c] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+        __m256 k[C];
+        for (int c = 0; c < C; ++c) k[c] = _mm256_load_ps(kt + (c * D + d) * 8);
+        for (int t = 0; t < T; ++t) {
+            const __m256 qv = _mm256_broadcast_ss(q[t] + d);
+            for (int c = 0; c < C; ++c) s[t][c] = _mm256_fmadd_ps(qv, k[c], s[t][c]);
+        }
+    }
+    for (int t = 0; t < T; ++t)
+        for (int c = 0; c < C; ++c) _mm256_store_ps(sc + t * sc_stride + c * 8, s[t][c]);
+}
+
+template <int T>
+inline void scores_rows8(const float* const* q, const float* kt, int D, int chunks, float* sc, int sc_stride) {
+    int c = 0;
+    for (; c + 2 <= chunks; c += 2) scores_tile8<T, 2>(q, kt + c * D * 8, D, sc + c * 8, sc_stride);
+    if (c < chunks) scores_tile8<T, 1>(q, kt + c * D * 8, D, sc + c * 8, sc_stride);
+}
+
+// acc_x = alpha_x acc_x + sum_j p_x[j] V[j] for T rows, 16 dimensions at a time in registers (8 of the 16).
+template <typename KV, int T>
+inline void values_tile8(float* const* st, const float* alpha, const float* p, int p_stride, const KV* const* vrow,
+                         int n, int D) {
+    for (int v0 = 0; v0 < D; v0 += 16) {
+        __m256 acc[T][2];
+        for (int t = 0; t < T; ++t) {
+            const __m256 a = _mm256_set1_ps(alpha[t]);
+            acc[t][0] = _mm256_mul_ps(a, _mm256_loadu_ps(st[t] + 2 + v0));
+            acc[t][1] = _mm256_mul_ps(a, _mm256_loadu_ps(st[t] + 2 + v0 + 8));
+        }
+        for (int j = 0; j < n; ++j) {
+            const __m256 lo = load8(vrow[j] + v0), hi = load8(vrow[j] + v0 + 8);
+            for (int t = 0; t < T; ++t) {
+                const __m256 w = _mm256_broadcast_ss(p + t * p_stride + j);
+                acc[t][0] = _mm256_fmadd_ps(w, lo, acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(w, hi, acc[t][1]);
+            }
+        }
+        for (int t = 0; t < T; ++t) {
+            _mm256_storeu_ps(st[t] + 2 + v0, acc[t][0]);
+            _mm256_storeu_ps(st[t] + 2 + v0 + 8, acc[t][1]);
+        }
+    }
+}
+
+// A tile of up to TILE tokens of one KV head, for every row (tile_avx512's steps on 8 lanes).
+template <typename KV>
+void tile_avx2(const Rows& r, const KV* const* krow, const KV* const* vrow, int n, int D, float* kt, float* sc,
+               int sc_stride) {
+    const int chunks = (n + 7) / 8;
+    for (int c = 0; c < chunks; ++c) transpose_k8(krow + 8 * c, std::min(8, n - 8 * c), D, kt + c * D * 8);
+    float alpha[MAX_MEMBERS * MAX_GROUP];
+    int x = 0;
+    for (; x + 4 <= r.n; x += 4) scores_rows8<4>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride);
+    switch (r.n - x) {
+        case 3: scores_rows8<3>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride); break;
+        case 2: scores_rows8<2>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride); break;
+        case 1: scores_rows8<1>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride); break;
+        default: break;
+    }
+    const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+    for (int x = 0; x < r.n; ++x) {
+        float* s = sc + x * sc_stride;
+        float* st = r.st[x];
+        __m256 m = neg_inf;
+        for (int c = 0; c < chunks; ++c)
+            m = _mm256_max_ps(m, _mm256_blendv_ps(neg_inf, _mm256_load_ps(s + c * 8), first_lanes(n - 8 * c)));
+        const float mx = std::max(st[0], hmax256(m));
+        alpha[x] = std::exp(st[0] - mx);
+        __m256 sum = _mm256_setzero_ps();
+        const __m256 mv = _mm256_set1_ps(mx);
+        for (int c = 0; c < chunks; ++c) {
+            const __m256 p = _mm256_and_ps(first_lanes(n - 8 * c), exp256(_mm256_sub_ps(_mm256_load_ps(s + c * 8), mv)));
+            _mm256_store_ps(s + c * 8, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        st[0] = mx;
+        st[1] = st[1] * alpha[x] + hsum256(sum);
+    }
+    int y = 0;
+    for (; y + 4 <= r.n; y += 4) values_tile8<KV, 4>(r.st + y, alpha + y, sc + y * sc_stride, sc_stride, vrow, n, D);
+    switch (r.n - y) {
+        case 3: values_tile8<KV, 3>(r.st + y, alpha + y, sc + y * sc_stride, sc_stride, vrow, n, D); break;
+        case 2: values_tile8<KV, 2>(r.st + y, alpha + y, sc + y * sc_stride, sc_stride, vrow, n, D); break;
+        case 1: values_tile8<KV, 1>(r.st + y, alpha + y, sc + y * sc_stride, sc_stride, vrow, n, D); break;
+        default: break;
+    }
+}
+#endif
+
 constexpr int TILE = 64;
 
 // One item: blocks [b0, b1) of members[0]'s table, attended by every member's queries. Writes, per member i
@@ -299,12 +412,12 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
                 vrow[j] = vc + vbase[j] + h * a.vc_head;
             }
 #if defined(__AVX512F__)
-            if (!g_generic) {
-                tile_avx512<KV, NV>(r, krow, vrow, n, kt, sc, TILE);
-                continue;
-            }
-#endif
+            tile_avx512<KV, NV>(r, krow, vrow, n, kt, sc, TILE);
+#elif defined(PREFIXSERVE_AVX2)
+            tile_avx2<KV>(r, krow, vrow, n, D, kt, sc, TILE);
+#else
             tile_generic<KV>(r, krow, vrow, n, D, sc, TILE);
+#endif
         }
     }
 }
@@ -414,13 +527,14 @@ int prefixserve_paged_decode(const float* q, const float* k, const float* v, int
 
 int prefixserve_num_threads() { return omp_get_max_threads(); }
 
-// Tests: 1 runs the portable loops even where AVX-512 is there; returns whether AVX-512 loops exist.
-int prefixserve_paged_decode_generic(int on) {
-    g_generic = on != 0;
+// The loops this build runs: "avx512", "avx2" or "generic".
+const char* prefixserve_paged_decode_path() {
 #if defined(__AVX512F__)
-    return 1;
+    return "avx512";
+#elif defined(PREFIXSERVE_AVX2)
+    return "avx2";
 #else
-    return 0;
+    return "generic";
 #endif
 }
 

@@ -17,36 +17,24 @@ named prefix against inline): not worth 2-5% of a step.
 The plan is a list of items (members, blocks [b0, b1)): every sequence's blocks are covered exactly once
 for it, by its own items or by the shared items of its cascade group. Cascading changes only the order in
 which a sequence's partial softmax sums are merged: the result agrees with the plain plan within float32
-rounding (tested), not bit for bit.
+rounding (tested), not bit for bit. So does the split: by default a sequence is cut into as many items as
+keep every thread busy (a function of the batch and the thread count); `split_blocks` cuts every sequence
+into items of that many blocks instead, and without cascade a sequence's output is then a function of its
+own context only, bit for bit, whatever else the step holds (the batch-invariant mode, tested).
 """
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
-
-from kernels.cpu.build import load
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIN_BLOCKS_PER_SPLIT = 4     # a split of fewer blocks costs more to merge than it saves
 MIN_SHARED_BLOCKS = 2        # a shared run of fewer blocks is read by each sequence itself
 MAX_MEMBERS = 16             # sequences per cascade item (the kernel's bound); a larger group takes several
 ITEMS_PER_THREAD = 4         # enough items that dynamic scheduling evens out their lengths
-
-
-@functools.cache
-def _fn() -> Any:
-    lib = load("paged_decode")
-    f = lib.prefixserve_paged_decode
-    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    f.argtypes = [p, p, p, i64, i64, i64, i64, p, p, p, p, i64, p, p, i, i, i, i, i, ctypes.c_float,
-                  i64, i64, i64, i64, i64, i64, i, p, i, p]
-    f.restype = ctypes.c_int
-    return f
 
 
 @dataclass(frozen=True)
@@ -62,9 +50,11 @@ class DecodePlan:
 
 
 def plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor | None, block_size: int,
-         threads: int | None = None, splits: int | None = None, cascade: bool = True) -> DecodePlan:
+         threads: int | None = None, splits: int | None = None, cascade: bool = True,
+         split_blocks: int | None = None) -> DecodePlan:
     """The step's work items. `splits` forces each sequence's own blocks into that many items (tests);
-    `cascade=False` gives every sequence only its own items."""
+    `split_blocks` cuts them into items of that many blocks (the last one shorter); `cascade=False` gives
+    every sequence only its own items."""
     block_tables = block_tables.contiguous()
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     assert rows is None or (rows.dtype == torch.int64 and rows.is_contiguous() and rows.shape == seq_lens.shape)
@@ -73,30 +63,47 @@ def plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor 
     num_blocks = (lens + block_size - 1) // block_size
     assert lens.size == 0 or block_tables.shape[1] >= num_blocks.max(), "every block must be in its table row"
     tables = block_tables.numpy()
-    own_from = np.zeros(len(lens), dtype=np.int64)
+    n = len(lens)
+    own_from = np.zeros(n, dtype=np.int64)
     shared: list[tuple[list[int], int, int]] = []
-    if cascade and len(lens) > 1:
+    if cascade and n > 1:
         full = (lens - 1) // block_size           # blocks full for the sequence and not holding its last token
-        _find_shared(tables, full, list(range(len(lens))), 0, own_from, shared)
+        heads = tables[full >= MIN_SHARED_BLOCKS, 0]
+        if len(heads) > 1 and len(np.unique(heads)) < len(heads):      # some start alike: look closer (Python)
+            _find_shared(tables, full, list(range(n)), 0, own_from, shared)
     segments = [(group[i:i + MAX_MEMBERS], b0, b1) for group, b0, b1 in shared
                 for i in range(0, len(group), MAX_MEMBERS)]
-    own = [([s], int(own_from[s]), int(num_blocks[s])) for s in range(len(lens))]
-    items: list[tuple[int, int, int, int]] = []
-    members: list[int] = []
+    seg_b0 = np.asarray([b0 for _, b0, _ in segments], dtype=np.int64)
+    seg_b1 = np.asarray([b1 for _, _, b1 in segments], dtype=np.int64)
+    own_len, seg_len = num_blocks - own_from, seg_b1 - seg_b0
+    # pieces a run of blocks is cut into, own runs first (NOTE: numpy over the sequences: no Python loop a
+    # sequence unless a cascade group exists)
     if splits is not None:
-        pieces = [_cut(b0, b1, splits) for _, b0, b1 in own] + [_cut(b0, b1, 1) for _, b0, b1 in segments]
+        own_pieces, seg_pieces = np.full(n, splits, dtype=np.int64), np.ones(len(segments), dtype=np.int64)
+    elif split_blocks is not None:
+        own_pieces = np.maximum(1, -(-own_len // split_blocks))
+        seg_pieces = np.maximum(1, -(-seg_len // split_blocks))
     else:
-        total = sum(b1 - b0 for _, b0, b1 in segments + own)
         target = ITEMS_PER_THREAD * (threads or torch.get_num_threads())
-        size = max(MIN_BLOCKS_PER_SPLIT, -(-total // target))
-        pieces = [_cut(b0, b1, max(1, (b1 - b0) // size)) for _, b0, b1 in own + segments]
-    for (group, _, _), cuts in zip(own + segments, pieces, strict=True):
-        first = len(members)
-        members.extend(group)
-        items.extend((first, len(group), a, b) for a, b in cuts)
+        size = max(MIN_BLOCKS_PER_SPLIT, -(-int(own_len.sum() + seg_len.sum()) // target))
+        own_pieces, seg_pieces = np.maximum(1, own_len // size), np.maximum(1, seg_len // size)
+    b0 = np.concatenate([own_from, seg_b0])
+    length = np.concatenate([own_len, seg_len])
+    pieces = np.concatenate([own_pieces, seg_pieces])
+    run = np.repeat(np.arange(len(pieces)), pieces)                     # the run each item cuts
+    i = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)    # the item's index in its run
+    if split_blocks is not None and splits is None:
+        a = b0[run] + i * split_blocks
+        b = np.minimum(a + split_blocks, b0[run] + length[run])
+    else:                                                               # near-equal parts
+        a = b0[run] + length[run] * i // pieces[run]
+        b = b0[run] + length[run] * (i + 1) // pieces[run]
+    sizes = np.concatenate([np.ones(n, dtype=np.int64), [len(g) for g, _, _ in segments]]).astype(np.int64)
+    firsts = np.cumsum(sizes) - sizes
+    items = np.stack([firsts[run], sizes[run], a, b], axis=1).astype(np.int32)
+    members = np.concatenate([np.arange(n, dtype=np.int64), *[np.asarray(g, dtype=np.int64) for g, _, _ in segments]])
     saved = sum((len(g) - 1) * (b1 - b0) for g, b0, b1 in shared)
-    return DecodePlan(block_tables, seq_lens, rows, np.asarray(items, dtype=np.int32).reshape(-1, 4),
-                      np.asarray(members, dtype=np.int32), saved)
+    return DecodePlan(block_tables, seq_lens, rows, items.reshape(-1, 4), members.astype(np.int32), saved)
 
 
 def _find_shared(tables: np.ndarray, full: np.ndarray, group: list[int], start: int, own_from: np.ndarray,
@@ -122,70 +129,84 @@ def _find_shared(tables: np.ndarray, full: np.ndarray, group: list[int], start: 
         _find_shared(tables, full, sub, end, own_from, out)
 
 
-def _cut(b0: int, b1: int, n: int) -> list[tuple[int, int]]:
-    """[b0, b1) in n near-equal parts (empty ones when n > b1 - b0: they weigh nothing in the merge)."""
-    edges = [b0 + (b1 - b0) * i // n for i in range(n + 1)]
-    return list(zip(edges[:-1], edges[1:], strict=True))
-
-
-def _call(q: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, key_cache: torch.Tensor,
-          value_cache: torch.Tensor, p: DecodePlan, scale: float, out: torch.Tensor) -> None:
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    kp = vp = 0
-    ks = (0, 0, 0, 0)
-    rows = 0
-    if key is not None and value is not None:
-        assert p.rows is not None
-        kp, vp, rows = key.data_ptr(), value.data_ptr(), p.rows.data_ptr()
-        ks = (key.stride(0), key.stride(1), value.stride(0), value.stride(1))
-    items, members = p.items, p.members
-    rc = _fn()(q.data_ptr(), kp or None, vp or None, *ks, rows or None, key_cache.data_ptr(), value_cache.data_ptr(),
-               p.block_tables.data_ptr(), p.block_tables.stride(0), p.seq_lens.data_ptr(), out.data_ptr(), num_seqs,
-               num_heads, num_kv_heads, head_dim, block_size, scale, key_cache.stride(0), key_cache.stride(1),
-               key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-               _DTYPES[key_cache.dtype], items.ctypes.data, len(items), members.ctypes.data)
-    if rc != 0:
-        raise ValueError(f"paged_decode: shapes not taken by the CPU kernel (code {rc})")
-
-
-def paged_decode_write(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, p: DecodePlan, scale: float) -> torch.Tensor:
-    """Writes key / value [S, Hkv, D] (float32) at p.rows, then decodes q [S, H, D] -> out [S, H, D]: one
-    call for a layer of a decode step (the hot path: its checks are the few a wrong call could not pass)."""
-    num_seqs, _, head_dim = q.shape
-    assert q.dtype == key.dtype == value.dtype == torch.float32 and q.is_contiguous()
-    assert key.shape == value.shape == (num_seqs, key_cache.shape[2], head_dim)
-    assert key.stride(-1) == value.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == 1
-    assert key_cache.dtype == value_cache.dtype and p.seq_lens.shape[0] == num_seqs
-    out = torch.empty_like(q)
-    _call(q, key, value, key_cache, value_cache, p, scale, out)
-    return out
-
-
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
     return (dtype in _DTYPES and head_dim % 16 == 0 and head_dim // 16 in (1, 2, 3, 4, 5, 6, 8, 16)
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16 and num_heads <= 64
             and block_size <= 256)
 
 
-def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                 num_splits: int | None = None, cascade: bool = True) -> torch.Tensor:
-    num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, kv_dim = key_cache.shape
-    assert q.dtype == torch.float32 and q.is_contiguous() and q.device.type == "cpu"
-    assert key_cache.dtype == value_cache.dtype and key_cache.dtype in _DTYPES
-    assert key_cache.shape == value_cache.shape and kv_dim == head_dim
-    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "head_dim must be contiguous"
-    assert supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype)
-    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1 and block_tables.shape[0] == num_seqs
-    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.shape == (num_seqs,)
-    if out is None:
+class PagedDecode:
+    """The kernel of one build (kernels/cpu/library.py loads it): `write_attend` for a decode step's layer,
+    `decode` for rows whose K / V are already in the cache."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        f = lib.prefixserve_paged_decode
+        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        f.argtypes = [p, p, p, i64, i64, i64, i64, p, p, p, p, i64, p, p, i, i, i, i, i, ctypes.c_float,
+                      i64, i64, i64, i64, i64, i64, i, p, i, p]
+        f.restype = ctypes.c_int
+        self._fn = f
+        lib.prefixserve_paged_decode_path.restype = ctypes.c_char_p
+        self.path: str = lib.prefixserve_paged_decode_path().decode()    # the loops it runs: avx512, avx2, generic
+        self.num_threads = lib.prefixserve_num_threads               # its OpenMP threads (torch's)
+        self.num_threads.restype = ctypes.c_int
+
+    def _call(self, q: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, key_cache: torch.Tensor,
+              value_cache: torch.Tensor, p: DecodePlan, scale: float, out: torch.Tensor) -> None:
+        num_seqs, num_heads, head_dim = q.shape
+        block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+        kp = vp = 0
+        ks = (0, 0, 0, 0)
+        rows = 0
+        if key is not None and value is not None:
+            assert p.rows is not None
+            kp, vp, rows = key.data_ptr(), value.data_ptr(), p.rows.data_ptr()
+            ks = (key.stride(0), key.stride(1), value.stride(0), value.stride(1))
+        items, members = p.items, p.members
+        rc = self._fn(q.data_ptr(), kp or None, vp or None, *ks, rows or None, key_cache.data_ptr(),
+                      value_cache.data_ptr(), p.block_tables.data_ptr(), p.block_tables.stride(0),
+                      p.seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+                      block_size, scale,
+                      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
+                      value_cache.stride(1), value_cache.stride(2), _DTYPES[key_cache.dtype], items.ctypes.data,
+                      len(items), members.ctypes.data)
+        if rc != 0:
+            raise ValueError(f"paged_decode: shapes not taken by the CPU kernel (code {rc})")
+
+    def write_attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, p: DecodePlan, scale: float) -> torch.Tensor:
+        """Writes key / value [S, Hkv, D] (float32) at p.rows, then decodes q [S, H, D] -> out [S, H, D]: one
+        call for a layer of a decode step (the hot path: its checks are the few a wrong call could not pass)."""
+        num_seqs, _, head_dim = q.shape
+        assert q.dtype == key.dtype == value.dtype == torch.float32 and q.is_contiguous()
+        assert key.shape == value.shape == (num_seqs, key_cache.shape[2], head_dim)
+        assert key.stride(-1) == value.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == 1
+        assert key_cache.dtype == value_cache.dtype and p.seq_lens.shape[0] == num_seqs
         out = torch.empty_like(q)
-    assert out.shape == q.shape and out.dtype == torch.float32 and out.is_contiguous()
-    if num_seqs == 0:
+        self._call(q, key, value, key_cache, value_cache, p, scale, out)
         return out
-    _call(q, None, None, key_cache, value_cache,
-          plan(block_tables, seq_lens, None, block_size, splits=num_splits, cascade=cascade), scale, out)
-    return out
+
+    def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
+               cascade: bool = True, split_blocks: int | None = None) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, kv_dim = key_cache.shape
+        assert q.dtype == torch.float32 and q.is_contiguous() and q.device.type == "cpu"
+        assert key_cache.dtype == value_cache.dtype and key_cache.dtype in _DTYPES
+        assert key_cache.shape == value_cache.shape and kv_dim == head_dim
+        assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "head_dim must be contiguous"
+        assert supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype)
+        assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1 and block_tables.shape[0] == num_seqs
+        assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.shape == (num_seqs,)
+        if out is None:
+            out = torch.empty_like(q)
+        assert out.shape == q.shape and out.dtype == torch.float32 and out.is_contiguous()
+        if num_seqs == 0:
+            return out
+        p = plan(block_tables, seq_lens, None, block_size, splits=num_splits, cascade=cascade,
+                 split_blocks=split_blocks)
+        self._call(q, None, None, key_cache, value_cache, p, scale, out)
+        return out
+
+
+__all__ = ["DecodePlan", "PagedDecode", "plan", "supports"]

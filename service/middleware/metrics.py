@@ -30,6 +30,7 @@ concept, so an existing vLLM dashboard reads them. Every `vllm:` series has the 
 | prefixserve_kv_events_{batches,dropped}_total         | counter   | KV events published / dropped (if on)  |
 | prefixserve_grammar_cache_{entries,bytes}             | gauge     | compiled grammars kept, their size     |
 | prefixserve_<kv backend>_<name>                        | either    | the KV backend's own figures (*3)      |
+| prefixserve_kernels_info{op,implementation,cpu_variant,batch_invariant} | info | the kernels each op runs (1) |
 
 (*3) Whatever `KVStore.stats` returns, exported as the backend declares it (gauge or counter, with its
 help text): nothing here names a backend. The paged backend reports none; engine/kv/backends/ has the
@@ -63,7 +64,13 @@ from collections.abc import Awaitable, Callable, Iterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from engine.outputs import RequestOutput
@@ -149,6 +156,13 @@ class _StateCollector(Collector):
                                 value=s.grammars_cached)
         yield GaugeMetricFamily("prefixserve_grammar_cache_bytes", "Bytes of the compiled grammars kept for reuse",
                                 value=s.grammar_cache_bytes)
+        kernels = InfoMetricFamily("prefixserve_kernels", "The implementation each op runs, chosen once at start "
+                                   "(the C++ CPU build for this CPU's instruction set, or the fallback)", labels=["op"])
+        k = state.engine.kernels
+        for op, impl in k["ops"].items():
+            kernels.add_metric([op], {"implementation": impl, "cpu_variant": k["cpu_variant"] or "none",
+                                      "batch_invariant": str(k["batch_invariant"]).lower()})
+        yield kernels
         for key, stat in s.kv_backend_stats.items():      # whatever the KV backend reports, by its name
             family = GaugeMetricFamily if stat.kind == "gauge" else CounterMetricFamily
             yield family(f"prefixserve_{s.kv_backend}_{key}", stat.doc, value=stat.value)

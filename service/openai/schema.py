@@ -1,6 +1,6 @@
 """The request schema: typed pydantic models for every JSON body the service accepts.
 
-One source of truth: validation (strict types, ranges) and /openapi.json (service/openapi.py) both come from
+One source of truth: validation (strict types, ranges) and /openapi.json (service/routes/openapi.py) both come from
 these models. A known field is honoured, accepted as having no effect here (listed in NO_EFFECT, typed all the
 same: a wrong value is a 400 naming it), or refused with a 400 that names it and says why. A field nobody
 declared (anywhere in the body: top level, messages, stream_options...) is accepted and ignored, and named

@@ -1,4 +1,4 @@
-"""GET /openapi.json: OpenAPI 3.1, its request schemas generated from service/schema.py's models.
+"""GET /openapi.json: OpenAPI 3.1, its request schemas generated from service/openai/schema.py's models.
 
 The models are the one source of truth; this module only lays out the paths, narrows a few limits to
 this server's values (n and best_of to `max_choices`, max_tokens to the context length, `model` to the
@@ -131,7 +131,7 @@ def spec(model: str, max_choices: int, max_model_len: int | None, version: str =
             "/v1/models/{model}": {
                 "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
                 **_get("One model", "application/json", 404, 503)},
-            "/v1/ws": {"get": {"summary": "WebSocket: multiplexed generate / cancel (see service/websocket.py)",
+            "/v1/ws": {"get": {"summary": "WebSocket: multiplexed generate / cancel (see service/routes/websocket.py)",
                                "responses": {"101": {"description": "switching protocols"}, **_errors(400, 503)}}},
             "/tokenize": {"post": {"summary": "Token ids of a prompt, or of chat messages through the template",
                                    "requestBody": _body(["TokenizeCompletion", "TokenizeChat"]),
@@ -171,7 +171,7 @@ def spec(model: str, max_choices: int, max_model_len: int | None, version: str =
 
 
 def _worker_paths() -> dict[str, Any]:
-    """service/worker_api.py's routes (what a router asks of a worker), bodies as they are validated."""
+    """service/routes/worker_api.py's routes (what a router asks of a worker), bodies as they are validated."""
     def post(summary: str, model: str | None) -> dict[str, Any]:
         body = {} if model is None else {"requestBody": _body(model)}
         responses = {"200": _answer("ok"), **_errors(400, 404, 413, 503)}

@@ -8,7 +8,7 @@ Out: {"type": "delta", "id", "index", "text", "token_ids"[, "logprobs"]}
      {"type": "error", "id", "error": {"message", "type", "param", "code"}}
 
 A `generate` body is validated like HTTP's: as a chat completion when it has `messages`, else as a
-completion (service/schema.py), `type` and `id` aside. A delta's `index` is its choice (prompt * n +
+completion (service/openai/schema.py), `type` and `id` aside. A delta's `index` is its choice (prompt * n +
 sample); its `logprobs`, when asked for, is the list of chat-shaped entries ({"token", "logprob",
 "bytes", "top_logprobs"}) for its tokens.
 
@@ -231,7 +231,7 @@ def _client(request: web.Request) -> str:
 async def handle(request: web.Request) -> web.StreamResponse:
     config = request.app[STATE].config
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=config.max_body_bytes,
-                               protocols=(WS_PROTOCOL,))  # offered with a key by browsers (service/auth.py)
+                               protocols=(WS_PROTOCOL,))  # offered with a key by browsers (service/middleware/auth.py)
     if not ws.can_prepare(request).ok:
         raise invalid("GET /v1/ws expects a WebSocket upgrade request")
     request.app[STATE].ready_engine()

@@ -7,12 +7,12 @@ vllm-router 0.1.17 (the router of compose.yaml; its --help, source and debug log
     POST /v1/completions/render        token ids of a request before routing it (cache_aware, kv_aware:
     POST /v1/chat/completions/render   "prefix input preparation"); vLLM's shape: a list of
                                        GenerateRequest for completions, one for chat
-    POST /tokenize                     its fallback when render answers an error (service/tokens.py)
+    POST /tokenize                     its fallback when render answers an error (service/routes/tokens.py)
     GET  /get_server_info              kv_aware discovery: model_id, instance_id, kv_block_size
     GET  /kv_event_sources             kv_aware discovery: {"<dp rank>": vLLM's KVEventsConfig}
     GET  /get_load                     forwarded by its GET /get_loads: {"load": int, ...}
     GET  /get_model_info, /v1/models, /version, /health_generate, /metrics: forwarded to a worker
-                                       (/v1/models and /version: service/status.py)
+                                       (/v1/models and /version: service/routes/status.py)
     POST /flush_cache                  forwarded to every worker by its POST /flush_cache
 
 Every answer comes from the engine (`AsyncEngine.stats()`, a snapshot the engine thread takes after
@@ -72,6 +72,7 @@ async def server_info(request: web.Request) -> web.Response:
         "device": cfg.device, "dtype": cfg.dtype, "attention_backend": engine.attention_backend,
         "kv_cache_dtype": engine.kv_cache_dtype,
         "kv_backend": cfg.kv_backend,
+        "kernels": engine.kernels,
         "kv_events_config": dataclasses.asdict(events) if events is not None else None,
         "version": __version__})
 

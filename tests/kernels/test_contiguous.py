@@ -1,10 +1,10 @@
 """Attention over a contiguous (vAttention) cache: the Triton kernels in their CONTIGUOUS mode and the
 torch backend, against the token-by-token reference, on the cache's real layout.
 
-The cache here is laid out as engine/vattention.py lays it out: one buffer [slots, slot_len, K|V, layers,
-Hkv, D], token-major, so a layer's K is a strided view (rows 2 * layers * Hkv * D apart). Sequences sit
-in shuffled slots; every row no sequence owns is NaN, so a read past a sequence's length, or of the
-wrong slot or layer, fails the check.
+The cache here is laid out as engine/kv/backends/vattention/reservation.py lays it out: one buffer
+[slots, slot_len, K|V, layers, Hkv, D], token-major, so a layer's K is a strided view (rows 2 * layers * Hkv
+* D apart). Sequences sit in shuffled slots; every row no sequence owns is NaN, so a read past a sequence's
+length, or of the wrong slot or layer, fails the check.
 """
 from __future__ import annotations
 

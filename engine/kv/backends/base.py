@@ -10,7 +10,8 @@ decides how a block's memory is laid out and read, never which blocks a sequence
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
@@ -20,6 +21,7 @@ import torch
 from engine.kv.block_manager import Placement
 from engine.models.llama import ModelArgs
 from kernels import Attention
+from kernels.ops import Ops
 
 
 class KVStat(NamedTuple):
@@ -28,6 +30,34 @@ class KVStat(NamedTuple):
     kind: Literal["gauge", "counter"]
     value: float
     doc: str
+
+
+@dataclass
+class StepTables:
+    """The step's block tables, in batch order: what KVStore.addressing and the attention kernels read (rows of
+    the worker's persistent table, engine/worker/block_table.py)."""
+
+    array: np.ndarray          # [S, W] int32, rows padded with 0 (W: the widest table of the step)
+    num_blocks: np.ndarray     # [S] int64
+
+    def __len__(self) -> int:
+        return self.array.shape[0]
+
+    def row(self, i: int) -> list[int]:
+        """Sequence i's block ids (a backend that needs them as a list: vattention's page mapping)."""
+        return self.array[i, :int(self.num_blocks[i])].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self.row(i) for i in range(len(self)))
+
+    @classmethod
+    def from_lists(cls, tables: Seq[Seq[int]]) -> StepTables:
+        """From explicit block lists (tests, tools)."""
+        width = max((len(t) for t in tables), default=0)
+        array = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            array[i, :len(t)] = t
+        return cls(array, np.asarray([len(t) for t in tables], dtype=np.int64))
 
 
 @dataclass
@@ -66,9 +96,9 @@ class KVStore(Protocol):
         """K and V indexed by layer first, as the model reads them."""
         ...
 
-    def addressing(self, seq_ids: list[int], tables: list[list[int]], seq_lens: list[int],
+    def addressing(self, seq_ids: list[int], tables: StepTables, seq_lens: list[int],
                    seq_of_token: np.ndarray, positions: np.ndarray, decoding: list[bool]) -> Addressing:
-        """Sequence i (`decoding[i]`: generating, not in its prompt) holds blocks tables[i] and
+        """Sequence i (`decoding[i]`: generating, not in its prompt) holds blocks tables.row(i) and
         seq_lens[i] tokens after this step; token t belongs to sequence seq_of_token[t], at positions[t].
         Raises KVRefused (sequences the cache cannot hold this step; nothing done for the step) or
         EngineDead (the cache is broken for good)."""
@@ -93,7 +123,7 @@ class KVBackend:
 
     name: str
     create: Callable[[CacheSpec], KVStore]                        # the cache factory
-    attention: Callable[[str], Attention]                         # kernel family ("torch", "triton") -> attention
+    attention: Callable[[str, Ops], Attention]                    # kernel family ("cpu", "triton") -> attention
     block_size: Callable[[ModelArgs, torch.dtype, int], int]      # the block size it can serve for one asked
 
 

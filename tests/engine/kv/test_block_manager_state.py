@@ -1,5 +1,6 @@
 """A hypothesis state machine over allocate / append / fork / free / pin / unpin / evict that checks
-every block-pool invariant after each step."""
+every block-pool invariant after each step, and that the worker's persistent block tables (written in place
+from the manager's deltas, engine/worker/block_table.py) mirror the manager's tables after each step."""
 from __future__ import annotations
 
 from collections import Counter
@@ -10,6 +11,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from engine.kv.block_manager import BlockManager
 from engine.kv.block_pool import BlockPool, PinCapError
+from engine.worker.block_table import BlockTables
 
 B = 4
 NUM_BLOCKS = 24
@@ -24,6 +26,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool = BlockPool(NUM_BLOCKS, max_pinned_blocks=8)
         self.mgr = BlockManager(self.pool, B, "fp")
+        self.tables = BlockTables(self.mgr, rows=2, width=2)     # small: its rows and width grow
         self.tokens: dict[int, list[int]] = {}
         self.pinned: list[list[int]] = []
         self.next_id = 0
@@ -94,6 +97,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for b in blocks:
             assert b.block_hash is None
         self.pool.free(blocks)
+
+    @invariant()
+    def worker_tables_mirror_the_manager(self) -> None:
+        live = [sid for sid in self.tokens if self.mgr.has(sid)]
+        step = self.tables.step(live)
+        for i, sid in enumerate(live):
+            assert step.row(i) == self.mgr.block_table(sid)
+            assert not step.array[i, len(step.row(i)):].any()        # padded with 0
+        assert set(self.tables.rows) == set(live)                    # freed sequences gave their rows back
 
     @invariant()
     def invariants(self) -> None:

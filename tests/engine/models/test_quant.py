@@ -79,13 +79,13 @@ def test_quantized_logits_are_exact_where_they_decide(mode: str, coarse_err: flo
     w, h = torch.randn(5008, 64), torch.randn(6, 64)
     ref = h @ w.T
     head = QuantLogits(w, mode, refine=64)
-    assert isinstance(head.dense, Int4Linear if mode == "int4" else Int8Linear)
+    assert isinstance(head.coarse, Int4Linear if mode == "int4" else Int8Linear)
     got = head(h)
     top = ref.topk(16, dim=-1).indices          # well inside the 64 refined (its edge may differ by rounding)
     torch.testing.assert_close(got.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-4)  # float32 sums
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     assert rel_err(got, ref) < coarse_err                       # the rest: quantized rows, bfloat16 output
-    assert isinstance(QuantLogits(w[:5000], mode).dense, Int8Linear)   # rows the int4 kernel cannot take
+    assert isinstance(QuantLogits(w[:5000], mode).coarse, Int8Linear)   # rows the int4 kernel cannot take
 
 
 def test_int8_engine_on_a_tiny_checkpoint_stays_close_to_float32(tiny_llama_dir: Path) -> None:
@@ -162,3 +162,18 @@ def test_building_the_head_leaves_torch_global_generator_alone() -> None:
     torch.manual_seed(7)
     QuantLogits(w, "int4")
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_an_engine_given_a_loaded_model_runs_it_on_its_own_op_layer(tiny_llama_dir: Path) -> None:
+    """The quantized modules hold the op layer for their own forward (the head: its logits); an engine that is
+    handed a model loaded elsewhere (LLMEngine(config, loaded)) puts its own everywhere, or the head would keep
+    the loader's (another batch-invariance setting, another C++ build)."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.models.loader import load_model
+
+    loaded = load_model(str(tiny_llama_dir), quantization="int4")
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), batch_invariant=True, num_kv_blocks=16), loaded)
+    ops = engine.core.ops
+    assert ops.config.batch_invariant and loaded.model.ops is ops and loaded.model.lm_head.ops is ops
+    assert all(layer.self_attn.qkv_proj.ops is ops for layer in loaded.model.layers)

@@ -142,7 +142,7 @@ def test_int8_head_of_wide_steps_picks_the_exact_argmax(real_model_path: Path, r
     head = QuantLogits(w, "int4")
     if head.wide is None:
         pytest.skip("oneDNN's int8 linear is not available here")
-    assert isinstance(head.dense, Int4Linear) and head.dense.dense.numel() == 0    # no bfloat16 copy kept
+    assert isinstance(head.coarse, Int4Linear) and head.coarse.dense.numel() == 0    # no bfloat16 copy kept
     exact = x.float() @ w.float().T
     best = exact.argmax(-1)
     coarse = head.wide(x.float())

@@ -18,7 +18,7 @@ STOP = frozenset({2, 7})
 
 
 def reference(logits: np.ndarray, p: SamplingParams, ctx: RowContext) -> np.ndarray:
-    """One row, written out as the semantics say (engine/logits_processors.py)."""
+    """One row, written out as the semantics say (engine/sample/logits_processors.py)."""
     x = logits.astype(np.float64).copy()
     for t, b in (p.logit_bias or {}).items():
         x[t] += b

@@ -1,4 +1,4 @@
-"""The compiled decode step (engine/compiled_decode.py): the same tokens and log-probabilities as the
+"""The compiled decode step (engine/worker/compiled_decode.py): the same tokens and log-probabilities as the
 eager model, padded rows that write nothing, eager fallback past the buckets and on failure."""
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import paged_prefill as pp
+from kernels.cpu.library import CpuKernels, KernelUnavailable, load
 from kernels.cpu_backend import CpuAttentionBackend, extend_attention
 from tests.kernels.batch import make_batch
 from tests.kernels.reference import default_scale, ref_attention
@@ -26,10 +26,10 @@ def test_cpu_backend_matches_reference(case: int, dtype: torch.dtype, compiled: 
     seq_lens, query_lens = CASES[case]
     b = make_batch(seq_lens, query_lens, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
                    seed=case, device="cpu")
-    backend = CpuAttentionBackend()
-    if compiled and not backend.compiled:
-        pytest.skip("no C++ compiler to build the CPU kernels")
-    backend.compiled = compiled
+    try:
+        backend = CpuAttentionBackend(load() if compiled else None)
+    except KernelUnavailable as exc:
+        pytest.skip(str(exc))
     q = b.q.float()
     out = backend.forward(q, b.key_cache, b.value_cache, b.md, default_scale(64))
     expected = ref_attention(q, b.key_cache, b.value_cache, b.md.block_tables, b.md.seq_lens_list,
@@ -38,7 +38,8 @@ def test_cpu_backend_matches_reference(case: int, dtype: torch.dtype, compiled: 
     # only; except prefill rows over a bf16 cache with the C++ kernels (kernels/cpu/paged_prefill.py): bf16
     # products, within 0.5% of the largest |V|
     prefill = torch.tensor([b.md.is_prefill(i) for i, q_len in enumerate(query_lens) for _ in range(q_len)])
-    tight = ~prefill if dtype == torch.bfloat16 and compiled and pp.available() else torch.ones_like(prefill)
+    tight = ~prefill if dtype == torch.bfloat16 and compiled and load().prefill.available else \
+        torch.ones_like(prefill)
     torch.testing.assert_close(out.double()[tight], expected[tight], atol=2e-5, rtol=2e-5)
     vmax = b.value_cache.float().nan_to_num(0).abs().amax().item()
     assert (out.double() - expected).abs().max().item() <= 0.005 * vmax
@@ -62,13 +63,11 @@ def test_a_chunk_attends_as_if_its_prompt_were_computed_whole() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_layer_in_one_call_equals_write_then_attend(dtype: torch.dtype) -> None:
+def test_a_decode_layer_in_one_call_equals_write_then_attend(cpu: CpuKernels, dtype: torch.dtype) -> None:
     """The fused decode call (write this step's K/V rows in C++, then attend) leaves the caches bit-identical
     to torch's write (bf16 rounding to nearest even included) and gives the same output; K and V may be
     strided views (V is a slice of the fused QKV projection in the model)."""
-    backend = CpuAttentionBackend()
-    if not backend.compiled:
-        pytest.skip("no C++ compiler to build the CPU kernels")
+    backend = CpuAttentionBackend(cpu)
     b = make_batch([5, 17, 300], [1, 1, 1], num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
                    seed=11, poison=0.0, device="cpu")
     gen = torch.Generator().manual_seed(1)

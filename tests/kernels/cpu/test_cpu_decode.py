@@ -7,20 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu.build import available, load
-from kernels.cpu.paged_decode import MAX_MEMBERS, MIN_BLOCKS_PER_SPLIT, paged_decode, plan
+from kernels.cpu.library import CpuKernels
+from kernels.cpu.paged_decode import MAX_MEMBERS, MIN_BLOCKS_PER_SPLIT, plan
 from tests.kernels.batch import PagedBatch, make_batch, make_metadata, pairwise, rebuild
 from tests.kernels.reference import default_scale, ref_attention
-
-pytestmark = pytest.mark.skipif(not available("paged_decode"), reason="no C++ compiler to build the CPU kernels")
 
 MIXED = [1, 17, 1025]
 
 
-def run(b: PagedBatch, splits: int | None = None, cascade: bool = True) -> torch.Tensor:
+def run(k: CpuKernels, b: PagedBatch, splits: int | None = None, cascade: bool = True,
+        split_blocks: int | None = None) -> torch.Tensor:
     out = torch.full(b.q.shape, float("nan"))           # poisoned: an element the kernel skips fails the check
-    return paged_decode(b.q.float().contiguous(), b.key_cache, b.value_cache, b.md.block_tables, b.md.seq_lens,
-                        default_scale(b.q.shape[2]), out=out, num_splits=splits, cascade=cascade)
+    return k.decode.decode(b.q.float().contiguous(), b.key_cache, b.value_cache, b.md.block_tables, b.md.seq_lens,
+                           default_scale(b.q.shape[2]), out=out, num_splits=splits, cascade=cascade,
+                           split_blocks=split_blocks)
 
 
 def reference(b: PagedBatch) -> torch.Tensor:
@@ -31,61 +31,75 @@ def reference(b: PagedBatch) -> torch.Tensor:
 @pytest.mark.parametrize("group,head_dim,block_size,dtype,splits", pairwise(
     [1, 3, 4, 8], [32, 48, 64, 128], [1, 8, 16, 32], [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16],
     [1, 2, 3, 6]))
-def test_cpu_decode_matches_reference(group: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                                      splits: int) -> None:
+def test_cpu_decode_matches_reference(variant: CpuKernels, group: int, head_dim: int, block_size: int,
+                                      dtype: torch.dtype, splits: int) -> None:
     b = make_batch(MIXED, [1, 1, 1], num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
                    block_size=block_size, dtype=dtype, seed=group * 1000 + head_dim + block_size, device="cpu")
     # The reference reads the same (bf16-rounded) cache values in float64; the kernel accumulates in float32:
     # only summation order and float32 rounding differ (~1e-6 relative), whatever the cache dtype.
-    torch.testing.assert_close(run(b, splits).double(), reference(b), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(run(variant, b, splits).double(), reference(b), atol=2e-5, rtol=2e-5)
 
 
-def test_cpu_decode_is_invariant_to_block_layout() -> None:
+def test_cpu_decode_is_invariant_to_block_layout(cpu: CpuKernels) -> None:
     # Metamorphic: the same contents under block sizes 1, 16 and 32, in other random block orders, with one
     # split, give bit-identical output when the blocks partition the tokens the same way... they do not
     # (block boundaries change the online-softmax rescaling points), so: equal within float32 rounding.
     b16 = make_batch(MIXED, [1, 1, 1], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                      dtype=torch.bfloat16, seed=7, device="cpu")
-    base = run(b16, 1)
+    base = run(cpu, b16, 1)
     for block_size, seed in ((1, 1), (16, 2), (32, 3)):
         other = rebuild(b16, block_size, seed)
         assert other.tables != b16.tables
-        torch.testing.assert_close(run(other, 1), base, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(run(cpu, other, 1), base, atol=1e-5, rtol=1e-5)
     same = rebuild(b16, 16, 9)                                   # same block size, another order: identical
-    torch.testing.assert_close(run(same, 1), base, atol=0, rtol=0)
+    torch.testing.assert_close(run(cpu, same, 1), base, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("splits", [4, 17, 40])
-def test_cpu_decode_many_splits_leave_no_trace(splits: int) -> None:
+def test_cpu_decode_many_splits_leave_no_trace(variant: CpuKernels, splits: int) -> None:
     # 17 and 40 splits leave most splits of the short sequences empty: they must weigh nothing (no NaN).
     b = make_batch([1, 17, 1025, 700], [1, 1, 1, 1], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
                    dtype=torch.float32, seed=splits, device="cpu")
-    torch.testing.assert_close(run(b, splits).double(), reference(b), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(run(variant, b, splits).double(), reference(b), atol=2e-5, rtol=2e-5)
 
 
-def test_cpu_decode_reads_a_layer_slice_of_the_cache() -> None:
+def test_cpu_decode_reads_a_layer_slice_of_the_cache(cpu: CpuKernels) -> None:
     """The engine passes key[layer] of a [layers, blocks, block_size, Hkv, D] cache: strided, not a copy."""
     b = make_batch([5, 40], [1, 1], num_heads=6, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.bfloat16,
                    seed=3, device="cpu")
     kc = torch.stack([torch.randn_like(b.key_cache, dtype=torch.float32).bfloat16(), b.key_cache])
     vc = torch.stack([torch.randn_like(b.value_cache, dtype=torch.float32).bfloat16(), b.value_cache])
-    out = paged_decode(b.q.float().contiguous(), kc[1], vc[1], b.md.block_tables, b.md.seq_lens, default_scale(64))
+    out = cpu.decode.decode(b.q.float().contiguous(), kc[1], vc[1], b.md.block_tables, b.md.seq_lens,
+                            default_scale(64))
     torch.testing.assert_close(out.double(), reference(b), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype,head_dim,block_size", [(torch.bfloat16, 48, 8), (torch.float32, 64, 16)])
-def test_portable_loops_match_reference(dtype: torch.dtype, head_dim: int, block_size: int) -> None:
-    """The loops a CPU without AVX-512 runs (the kernel's own switch: they are compiled everywhere)."""
+def test_every_variant_matches_reference(variant: CpuKernels, dtype: torch.dtype, head_dim: int,
+                                         block_size: int) -> None:
+    """Each build this CPU runs (its own loops: generic, avx2, avx512), with and without the cascade."""
     b = shared_prefix_batch(11, block_size=block_size, dtype=dtype) if head_dim == 64 else make_batch(
         MIXED, [1, 1, 1], num_heads=6, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype,
         seed=4, device="cpu")
-    lib = load("paged_decode")
-    assert lib.prefixserve_paged_decode_generic(1) in (0, 1)
-    try:
-        out = run(b)
-    finally:
-        lib.prefixserve_paged_decode_generic(0)
-    torch.testing.assert_close(out.double(), reference(b), atol=2e-5, rtol=2e-5)
+    want = "generic" if variant.variant == "portable" else "avx2" if variant.variant == "avx2" else "avx512"
+    assert variant.decode.path == want                       # the build runs the loops of its instruction set
+    torch.testing.assert_close(run(variant, b).double(), reference(b), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(run(variant, b, cascade=False).double(), reference(b), atol=2e-5, rtol=2e-5)
+
+
+def test_fixed_splits_make_a_row_independent_of_its_batch(cpu: CpuKernels) -> None:
+    """The batch-invariant plan (split_blocks, no cascade): each sequence's output is bit for bit the same
+    alone and among others, whatever the threads, while the default plan's split follows the batch."""
+    b = shared_prefix_batch(3)
+    together = run(cpu, b, cascade=False, split_blocks=4)
+    torch.testing.assert_close(together.double(), reference(b), atol=2e-5, rtol=2e-5)
+    for s in (0, 5, 11, 21):
+        one = PagedBatch(b.q[s:s + 1], b.key, b.value, b.key_cache, b.value_cache,
+                         make_metadata([b.md.seq_lens_list[s]], [1], [b.tables[s]], 8, "cpu"), [b.tables[s]])
+        assert torch.equal(run(cpu, one, cascade=False, split_blocks=4)[0], together[s]), s
+    lens = torch.tensor([1024], dtype=torch.int32)
+    alone = plan(torch.arange(64, dtype=torch.int32)[None], lens, None, 16, threads=2, cascade=False, split_blocks=8)
+    assert alone.items[:, 2:].tolist() == [[a, a + 8] for a in range(0, 64, 8)]
 
 
 def shared_prefix_batch(seed: int, block_size: int = 8, dtype: torch.dtype = torch.bfloat16) -> PagedBatch:
@@ -105,12 +119,12 @@ def shared_prefix_batch(seed: int, block_size: int = 8, dtype: torch.dtype = tor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cascade_matches_reference_and_the_plain_plan(dtype: torch.dtype) -> None:
+def test_cascade_matches_reference_and_the_plain_plan(cpu: CpuKernels, dtype: torch.dtype) -> None:
     b = shared_prefix_batch(5, dtype=dtype)
     p = plan(b.md.block_tables, b.md.seq_lens, None, 8)
     assert p.shared_blocks >= 18 * 6 + 2 * 3                  # the prefixes are read once, not once a sequence
     assert p.items[:, 1].max() == MAX_MEMBERS                  # the group of 19 takes two items
-    cascaded, plain = run(b), run(b, cascade=False)
+    cascaded, plain = run(cpu, b), run(cpu, b, cascade=False)
     torch.testing.assert_close(cascaded.double(), reference(b), atol=2e-5, rtol=2e-5)
     # Cascading changes only the merge order of each sequence's partial sums: float32 rounding apart.
     torch.testing.assert_close(cascaded, plain, atol=1e-5, rtol=1e-5)
@@ -150,12 +164,30 @@ def test_plan_splits_a_long_sequence_for_the_threads() -> None:
     assert short.items.tolist() == [[0, 1, 0, 2]]
 
 
-def test_the_kernel_uses_torchs_threads() -> None:
-    lib = load("paged_decode")
+def test_the_kernel_uses_torchs_threads(cpu: CpuKernels) -> None:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert lib.prefixserve_num_threads() == 1               # one OpenMP runtime: torch's
+        assert cpu.decode.num_threads() == 1                    # one OpenMP runtime: torch's
     finally:
         torch.set_num_threads(before)
-    assert lib.prefixserve_num_threads() == before
+    assert cpu.decode.num_threads() == before
+
+
+def test_a_step_without_shared_prefixes_plans_in_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan of a step whose tables share no first block is made with numpy over the sequences: the
+    Python search for cascade groups runs only when two tables start alike."""
+    from kernels.cpu import paged_decode
+
+    lens = torch.full((64,), 700, dtype=torch.int32)
+    tables = torch.arange(64 * 44, dtype=torch.int32).view(64, 44)
+
+    def no_search(*_args: object) -> None:
+        raise AssertionError("searched for cascade groups")
+
+    monkeypatch.setattr(paged_decode, "_find_shared", no_search)
+    p = plan(tables, lens, None, 16, threads=2)
+    assert covered(p) == {(s, blk): 1 for s in range(64) for blk in range(44)} and p.shared_blocks == 0
+    monkeypatch.undo()
+    tables[1, :3] = tables[0, :3]                            # two alike: the search runs, and finds them
+    assert plan(tables, lens, None, 16, threads=2).shared_blocks == 3

@@ -15,11 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM
-from engine.models.llama import RMSNorm, apply_rotary
-from kernels.cpu import fused
-from kernels.cpu.build import available
+from kernels.cpu.library import CpuKernels
+from kernels.ops import KernelConfig, Ops, apply_rotary
 
-pytestmark = pytest.mark.skipif(not available("fused"), reason="no C++ compiler to build the CPU kernels")
+REFERENCE = Ops(KernelConfig(cpu_kernels="none"))          # the torch implementations, the reference here
 
 BF16_STEP = 2.0 ** -7                 # one bfloat16 step, relative (8 significant bits)
 
@@ -36,27 +35,33 @@ def strided(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tenso
     return (torch.randn(rows, width + 24, generator=g) * 3).to(dtype)[:, 8:8 + width]
 
 
+def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm in float32."""
+    return REFERENCE.rms_norm(x, w, eps, mixed=False)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 200])
-def test_rms_norm_and_add_rms_norm(rows: int) -> None:
-    norm = RMSNorm(576, 1e-5)
-    norm.weight.data = torch.rand(576) + 0.5
+def test_rms_norm_and_add_rms_norm(variant: CpuKernels, rows: int) -> None:
+    fused = variant.fused
+    w, eps = torch.rand(576) + 0.5, 1e-5
     x = strided(rows, 576, torch.float32, rows)
-    close_bf16(fused.rms_norm(x, norm.weight.data, norm.eps), norm(x).to(torch.bfloat16))
+    close_bf16(fused.rms_norm(x, w, eps), norm(x, w, eps).to(torch.bfloat16))
+    close_bf16(REFERENCE.rms_norm(x, w, eps, mixed=True), norm(x, w, eps).to(torch.bfloat16))   # the fallback
     r = strided(rows, 576, torch.bfloat16, rows + 1)
     x2 = x.clone()
-    y = fused.add_rms_norm(x2, r, norm.weight.data, norm.eps)
+    y = fused.add_rms_norm(x2, r, w, eps)
     assert torch.equal(x2, x + r.float())                         # the residual, updated in place, exact
-    close_bf16(y, norm(x + r.float()).to(torch.bfloat16))
+    close_bf16(y, norm(x + r.float(), w, eps).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 130])
-def test_qkv_rope_splits_and_rotates(rows: int) -> None:
+def test_qkv_rope_splits_and_rotates(variant: CpuKernels, rows: int) -> None:
     heads, kv_heads, head_dim = 9, 3, 64
     qkv = strided(rows, (heads + 2 * kv_heads) * head_dim, torch.bfloat16, rows)
     angles = torch.rand(rows, head_dim // 2) * 100
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-    q, k, v = fused.qkv_rope(qkv, cos, sin, heads, kv_heads, head_dim)
+    q, k, v = variant.fused.qkv_rope(qkv, cos, sin, heads, kv_heads, head_dim)
     x = qkv.float()
     wq = x[:, :heads * head_dim].reshape(rows, heads, head_dim)
     wk = x[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(rows, kv_heads, head_dim)
@@ -64,27 +69,33 @@ def test_qkv_rope_splits_and_rotates(rows: int) -> None:
     torch.testing.assert_close(q, apply_rotary(wq, cos, sin), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k, apply_rotary(wk, cos, sin), rtol=1e-6, atol=1e-6)
     assert torch.equal(v, wv)
+    fq, fk, fv = REFERENCE.qkv_rope(qkv, cos, sin, heads, kv_heads, head_dim, mixed=True)   # the fallback
+    torch.testing.assert_close(fq, q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fk, k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(fv, v)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_silu_mul(rows: int) -> None:
+def test_silu_mul(variant: CpuKernels, rows: int) -> None:
     gate_up = strided(rows, 2 * 1536, torch.bfloat16, rows)
     g, u = gate_up.float().chunk(2, dim=-1)
-    close_bf16(fused.silu_mul(gate_up), (F.silu(g) * u).to(torch.bfloat16))
+    close_bf16(variant.fused.silu_mul(gate_up), (F.silu(g) * u).to(torch.bfloat16))
+    close_bf16(REFERENCE.silu_mul(gate_up, mixed=True), (F.silu(g) * u).to(torch.bfloat16))
 
 
-def test_fast_path_agrees_with_the_layer_path(tiny_llama_dir: Path) -> None:
-    """The same quantized model, the same prompts, greedy: the fast path (taken by default on the CPU)
-    against its layers' own forward, prefill and decode steps: every first-step log-probability within
-    0.05 (bfloat16 rounding placed elsewhere) and the first tokens equal."""
+def test_the_c_kernels_agree_with_the_torch_ops_in_the_model(tiny_llama_dir: Path, cpu: CpuKernels) -> None:
+    """The same quantized model, the same prompts, greedy: the op layer on the C++ kernels (the default on the
+    CPU) against the same op layer on its torch implementations (cpu_kernels none), prefill and decode steps:
+    every first-step log-probability within 0.05 (bfloat16 rounding placed elsewhere) and the first tokens
+    equal."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(3, 60))]
     fast = LLM(str(tiny_llama_dir), quantization="int4", num_kv_blocks=64)
-    assert fast.engine.loaded.model.fast
-    slow = LLM(str(tiny_llama_dir), quantization="int4", num_kv_blocks=64)
-    slow.engine.loaded.model.fast = False
+    assert fast.engine.core.ops.cpu is not None and fast.engine.loaded.model.mixed
+    slow = LLM(str(tiny_llama_dir), quantization="int4", num_kv_blocks=64, cpu_kernels="none")
+    assert slow.engine.core.ops.cpu is None
     for a, b in zip(fast.generate(prompts, params), slow.generate(prompts, params), strict=True):
         assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
         la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]

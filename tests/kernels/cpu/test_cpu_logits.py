@@ -1,5 +1,5 @@
 """The per-row logits reductions (kernels/cpu/logits.cpp) against torch's logsumexp, argmax and topk, on
-strided rows, with the AVX-512 loops and the portable ones; and the sampler and the quantized head, which use
+strided rows, with every build this CPU runs (its generic, AVX2 or AVX-512 loops); and the sampler, which uses
 them on the CPU, against torch's operators.
 
 Agreement criterion (kernels/cpu/logits.py): argmax equal to torch.argmax's index exactly, the first of equal
@@ -9,27 +9,13 @@ index where they tie, never a NaN.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
-from engine.sample import sampler
 from engine.sample.sampler import Sampler
 from engine.sequence import SamplingParams
-from kernels.cpu import logits as L
-from kernels.cpu.build import available
-
-pytestmark = pytest.mark.skipif(not available("logits"), reason="no C++ compiler to build the CPU kernels")
-
-
-@pytest.fixture(params=[False, True], ids=["avx512", "generic"])
-def generic(request: pytest.FixtureRequest) -> Iterator[bool]:
-    if not request.param and not L.set_generic(False):
-        pytest.skip("no AVX-512 loops on this CPU")
-    L.set_generic(request.param)
-    yield request.param
-    L.set_generic(False)
+from kernels.cpu.library import CpuKernels
+from kernels.ops import KernelConfig, Ops
 
 
 def strided(rows: int, width: int, seed: int, scale: float = 4.0) -> torch.Tensor:
@@ -38,7 +24,7 @@ def strided(rows: int, width: int, seed: int, scale: float = 4.0) -> torch.Tenso
 
 
 @pytest.mark.parametrize("width", [7, 16, 49152, 1001])
-def test_row_stats_equal_torch(generic: bool, width: int) -> None:
+def test_row_stats_equal_torch(variant: CpuKernels, width: int) -> None:
     x = strided(13, width, seed=width)
     x[1, width // 2] = x[1].max() + 1
     x[1, width - 1] = x[1, width // 2]                      # a tie for the maximum: the first index wins
@@ -47,7 +33,7 @@ def test_row_stats_equal_torch(generic: bool, width: int) -> None:
     x[4, width // 3] = float("inf")
     x[5, width - 1] = float("nan")
     x[6, 0] = float("-inf")
-    lse, arg = L.row_stats(x)
+    lse, arg = variant.logits.row_stats(x)
     want_lse, want_arg = torch.logsumexp(x, dim=-1), x.argmax(dim=-1)
     plain = [r for r in range(13) if r != 5]                # a NaN row: only its lse is promised (NaN)
     assert arg[plain].tolist() == want_arg[plain].tolist()
@@ -59,11 +45,11 @@ def test_row_stats_equal_torch(generic: bool, width: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [1, 16, 64])
-def test_row_topk_equal_torch(generic: bool, dtype: torch.dtype, k: int) -> None:
+def test_row_topk_equal_torch(variant: CpuKernels, dtype: torch.dtype, k: int) -> None:
     x = strided(9, 4099, seed=k).to(dtype)
     x[2, 100:300] = x[2].max() + 1                          # 200 equal maxima: the first k of them
     x[3, ::7] = float("nan")                                # NaN never displaces a number
-    got = L.row_topk(x, k)
+    got = variant.logits.row_topk(x, k)
     assert got.shape == (9, k) and got.dtype == torch.int64
     for r in range(9):
         row, vals = got[r].tolist(), x[r].float().nan_to_num(float("-inf"))
@@ -79,20 +65,21 @@ def test_row_topk_equal_torch(generic: bool, dtype: torch.dtype, k: int) -> None
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [576, 40])
-def test_refine_writes_exact_logits_at_the_chosen_entries_only(generic: bool, dtype: torch.dtype, hidden: int) -> None:
+def test_refine_writes_exact_logits_at_the_chosen_entries_only(variant: CpuKernels, dtype: torch.dtype,
+                                                               hidden: int) -> None:
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(3000, hidden + 8, generator=g)[:, :hidden]).to(dtype)   # strided rows, as a slice would be
     x = strided(11, hidden, 6, scale=1.0)
     logits = torch.full((11, 3000), -7.0)
     top = torch.stack([torch.randperm(3000, generator=g)[:32] for _ in range(11)])
-    got = L.refine(logits.clone(), top, x.contiguous(), w)
+    got = variant.logits.refine(logits.clone(), top, x.contiguous(), w)
     exact = x @ w.float().T
     torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-4)
     untouched = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
     assert (got[untouched] == -7.0).all()
 
 
-def test_sampler_on_the_kernel_equals_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sampler_on_the_kernel_equals_torch(cpu: CpuKernels) -> None:
     """The sampler's tokens and log-probabilities with the kernel equal those of torch's operators."""
     logits = strided(40, 4096, seed=3)
     logits[7, 11] = logits[7].max() + 3
@@ -101,17 +88,15 @@ def test_sampler_on_the_kernel_equals_torch(monkeypatch: pytest.MonkeyPatch) -> 
     params = [SamplingParams(temperature=0.0, logprobs=3) if i % 2 else SamplingParams(temperature=0.9, seed=i)
               for i in range(40)]
 
-    def run() -> tuple[list[int], list[float], list[dict[int, float]], list[int]]:
-        out = Sampler()(logits.clone(), params, [torch.Generator().manual_seed(i) for i in range(40)])
+    def run(ops: Ops) -> tuple[list[int], list[float], list[dict[int, float]], list[int]]:
+        out = Sampler(ops)(logits.clone(), params, [torch.Generator().manual_seed(i) for i in range(40)])
         return out.token_ids, out.logprobs, out.top_logprobs or [], out.failed
 
-    calls: list[int] = []
-    real = sampler._fused_stats
-    monkeypatch.setattr(sampler, "_fused_stats", lambda x: calls.append(1) or real(x))
-    ids, logprobs, tops, failed = run()
-    assert calls and ids[7] == 11 and failed == [9]
-    monkeypatch.setattr(sampler, "_fused_stats", lambda x: None)            # torch's operators
-    want_ids, want_logprobs, want_tops, want_failed = run()
+    with_kernel = Ops(KernelConfig(cpu_kernels=cpu.variant))
+    assert with_kernel.row_stats(logits)[1] is not None                    # the kernel's argmax comes along
+    ids, logprobs, tops, failed = run(with_kernel)
+    assert ids[7] == 11 and failed == [9]
+    want_ids, want_logprobs, want_tops, want_failed = run(Ops(KernelConfig(cpu_kernels="none")))   # torch's ops
     assert ids == want_ids and failed == want_failed
     good = [i for i in range(40) if i != 9]
     torch.testing.assert_close(torch.tensor(logprobs)[good], torch.tensor(want_logprobs)[good], rtol=0, atol=1e-5)

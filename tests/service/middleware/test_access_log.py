@@ -117,7 +117,7 @@ def test_request_ids_and_json_access_lines(json_server: ServerProcess) -> None:
 
 
 def test_log_level_and_text_format(capsys: pytest.CaptureFixture[str]) -> None:
-    """`configure` as `serve` calls it (the flags themselves are generated: tests/service/test_cli.py)."""
+    """`configure` as `serve` calls it (the flags themselves are generated: tests/test_cli.py)."""
     from service.logs import configure
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level

@@ -189,7 +189,7 @@ def test_keys_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_role_table() -> None:
-    """The table in service/auth.py's docstring, row by row (the servers above exercise it end to end)."""
+    """The table in service/middleware/auth.py's docstring, row by row (the servers above exercise it end to end)."""
     from service.config import ServiceConfig
     from service.middleware.auth import Keys
     none, both = Keys(ServiceConfig()), Keys(ServiceConfig(api_key=("u",), admin_key=("a",)))

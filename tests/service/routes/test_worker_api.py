@@ -1,4 +1,4 @@
-"""The worker surface a router probes (service/worker_api.py), against the shared live server: the
+"""The worker surface a router probes (service/routes/worker_api.py), against the shared live server: the
 answers agree with what the generation endpoints and the engine actually do."""
 from __future__ import annotations
 
@@ -83,6 +83,26 @@ def test_server_info_and_model_info_describe_this_replica(server: ServerThread, 
     assert model["is_generation"] is True and model["model_path"] == info["model_path"]
     assert get(server, "/version").json()["version"]
     assert get(server, "/health_generate").json() == {"status": "ok"}
+
+
+def test_server_info_and_metrics_name_the_kernels(server: ServerThread) -> None:
+    """Which C++ build runs (the one this CPU's flags choose) and what each op runs: the same in
+    /get_server_info and in the /metrics info series."""
+    from kernels.cpu.library import KernelUnavailable, load
+    try:
+        variant: str | None = load().variant
+    except KernelUnavailable:
+        variant = None
+    kernels = get(server, "/get_server_info").json()["kernels"]
+    assert kernels["cpu_variant"] == variant and kernels["batch_invariant"] is False
+    assert kernels["device"] == "cpu" and kernels["cpu_reason"]
+    decode = kernels["ops"]["paged decode"]
+    assert decode.startswith(f"c++ {variant}") if variant else decode == "torch"
+    lines = [line for line in get(server, "/metrics").text.splitlines() if line.startswith("prefixserve_kernels_info{")]
+    assert len(lines) == len(kernels["ops"])
+    row = next(line for line in lines if 'op="paged decode"' in line)
+    assert f'implementation="{decode}"' in row and f'cpu_variant="{variant or "none"}"' in row
+    assert 'batch_invariant="false"' in row and row.endswith(" 1.0")
 
 
 def test_load_counts_requests_in_the_engine(server: ServerThread) -> None:

@@ -9,6 +9,7 @@ import torch
 from engine.kv.backends.base import CacheSpec, KVBackend, KVStore
 from engine.models.llama import ModelArgs
 from kernels import Attention
+from kernels.ops import Ops
 
 
 def _create(spec: CacheSpec) -> KVStore:
@@ -16,14 +17,15 @@ def _create(spec: CacheSpec) -> KVStore:
     return PagedKVCache(spec)
 
 
-def _attention(kernels: str) -> Attention:
-    """Paged attention: C++ and flash kernels or plain torch on the CPU, Triton on GPUs (kernels/)."""
+def _attention(kernels: str, ops: Ops) -> Attention:
+    """Paged attention: C++ and flash kernels or plain torch on the CPU, Triton on GPUs (kernels/); the C++
+    build and the batch-invariant mode are the op layer's."""
     if kernels == "torch":
         from kernels.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
     if kernels == "cpu":
         from kernels.cpu_backend import CpuAttentionBackend
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(ops.cpu, invariant=ops.config.batch_invariant)
     if kernels == "triton":
         from kernels.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()

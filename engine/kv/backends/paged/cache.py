@@ -6,7 +6,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.kv.backends.base import Addressing, CacheSpec, KVStat
+from engine.kv.backends.base import Addressing, CacheSpec, KVStat, StepTables
 from engine.kv.block_manager import Placement
 from kernels import AttentionBackend
 
@@ -33,14 +33,11 @@ class PagedKVCache:
     def layers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.key, self.value
 
-    def addressing(self, seq_ids: list[int], tables: list[list[int]], seq_lens: list[int],
+    def addressing(self, seq_ids: list[int], tables: StepTables, seq_lens: list[int],
                    seq_of_token: np.ndarray, positions: np.ndarray, decoding: list[bool]) -> Addressing:
         b = self.block_size
-        padded = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
-        for i, t in enumerate(tables):
-            padded[i, :len(t)] = t
-        rows = padded[seq_of_token, positions // b] * b + positions % b
-        return Addressing(rows, padded.astype(np.int32), None)
+        rows = tables.array[seq_of_token, positions // b].astype(np.int64) * b + positions % b
+        return Addressing(rows, tables.array, None)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """With the attention kernels' block copy (a Triton kernel on GPUs)."""

@@ -13,6 +13,7 @@ import torch
 from engine.kv.backends.base import CacheSpec, KVBackend, KVStore
 from engine.models.llama import ModelArgs
 from kernels import Attention
+from kernels.ops import Ops
 
 
 def _create(spec: CacheSpec) -> KVStore:
@@ -21,7 +22,7 @@ def _create(spec: CacheSpec) -> KVStore:
                            spec.max_num_seqs, ahead_tokens=spec.map_ahead_tokens, max_mappings=spec.max_mappings)
 
 
-def _attention(kernels: str) -> Attention:
+def _attention(kernels: str, ops: Ops) -> Attention:
     """Attention over contiguous ranges, no block table: torch SDPA over slot views on the CPU, the Triton
     kernels in their CONTIGUOUS mode on GPUs."""
     if kernels in ("torch", "cpu"):       # SDPA over the slots' views reads in place already

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from engine.errors import EngineDead, KVRefused
-from engine.kv.backends.base import Addressing, KVStat
+from engine.kv.backends.base import Addressing, KVStat, StepTables
 from engine.kv.backends.vattention.reservation import Reservation
 from engine.kv.backends.vattention.slots import SlotTable, runs_of
 from engine.kv.backends.vattention.vmm import OS_PAGE_BYTES, HostVirtualMemory, ReservationDamaged, map_areas_left
@@ -172,7 +172,7 @@ class VAttentionCache:
     def layers(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.key_virtual, self.value_virtual
 
-    def addressing(self, seq_ids: list[int], tables: list[list[int]], seq_lens: list[int],
+    def addressing(self, seq_ids: list[int], tables: StepTables, seq_lens: list[int],
                    seq_of_token: np.ndarray, positions: np.ndarray, decoding: list[bool]) -> Addressing:
         """Maps what the step reads (synchronously where not done yet), hands what it does not read yet to
         the mapper; returns each new token's row in the flattened [num_slots * slot_len] view, and the slots."""
@@ -183,11 +183,12 @@ class VAttentionCache:
         if max(slots) >= self.range.num_slots:              # forks outnumbered the slots: the table grew
             self._grow([sid for sid, s in zip(seq_ids, slots) if s >= self.range.num_slots])
         needs = []
-        for sid, slot, table, n, dec in zip(seq_ids, slots, tables, seq_lens, decoding):
+        rows = list(tables)                                 # each sequence's block ids
+        for sid, slot, table, n, dec in zip(seq_ids, slots, rows, seq_lens, decoding):
             needed, missing = -(-n // self.block_size), self.slots.missing(slot, table)
             now = [(j, b) for j, b in missing if j < needed]
             needs.append(_Need(sid, slot, now, [(j, b) for j, b in missing if j >= needed], needed - len(now), dec))
-        ahead = self._fit(needs, {slot: len(table) for slot, table in zip(slots, tables)})
+        ahead = self._fit(needs, {slot: len(table) for slot, table in zip(slots, rows)})
         t0 = time.perf_counter()
         try:
             for need in needs:
@@ -202,8 +203,8 @@ class VAttentionCache:
                     self.slots.set_mapped(slot, j + i, b + i)
             self._pending = (self._mapper.submit(self._map_all, [(self._page_addr(s, j), b, k) for s, j, b, k in jobs]),
                              jobs)
-        rows = np.asarray(slots, dtype=np.int64)[seq_of_token] * self.slot_len + positions
-        return Addressing(rows, None, slots)
+        kv_rows = np.asarray(slots, dtype=np.int64)[seq_of_token] * self.slot_len + positions
+        return Addressing(kv_rows, None, slots)
 
     def _fit(self, needs: list[_Need], busy: dict[int, int]) -> Changes:
         """Makes the step's mappings fit the limit, or raises KVRefused: undoes stale mappings if that helps,

@@ -16,10 +16,11 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kv import backends
-from engine.kv.backends.base import Addressing, CacheSpec, KVBackend, KVStat, KVStore
+from engine.kv.backends.base import Addressing, CacheSpec, KVBackend, KVStat, KVStore, StepTables
 from engine.kv.backends.paged.cache import PagedKVCache
 from engine.models.llama import ModelArgs
 from kernels import Attention
+from kernels.ops import Ops
 from tests.engine.test_parity import run
 
 
@@ -52,10 +53,10 @@ class MirroredCache(PagedKVCache):
     def _row(self, block_ids: np.ndarray) -> np.ndarray:
         return self.num_blocks - 1 - block_ids
 
-    def addressing(self, seq_ids: list[int], tables: list[list[int]], seq_lens: list[int],
+    def addressing(self, seq_ids: list[int], tables: StepTables, seq_lens: list[int],
                    seq_of_token: np.ndarray, positions: np.ndarray, decoding: list[bool]) -> Addressing:
         self.steps += 1
-        mirrored = [self._row(np.asarray(t, dtype=np.int64)).tolist() for t in tables]
+        mirrored = StepTables.from_lists([self._row(np.asarray(t, dtype=np.int64)).tolist() for t in tables])
         return super().addressing(seq_ids, mirrored, seq_lens, seq_of_token, positions, decoding)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -69,8 +70,8 @@ def _create(spec: CacheSpec) -> KVStore:
     return MirroredCache(spec)
 
 
-def _attention(kernels: str) -> Attention:
-    return backends.get("paged").attention(kernels)
+def _attention(kernels: str, ops: Ops) -> Attention:
+    return backends.get("paged").attention(kernels, ops)
 
 
 def _block_size(args: ModelArgs, dtype: torch.dtype, requested: int) -> int:

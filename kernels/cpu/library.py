@@ -1,0 +1,135 @@
+"""Which build of the C++ CPU kernels this process runs, chosen from the CPU's flags, and loading it.
+
+`pip install` built kernels/cpu/lib/<variant>/<kernel>.so for every variant the compiler took, with a manifest
+(kernels/cpu/build.py). Nothing is compiled here: serving needs no compiler.
+
+    cpu_flags()                        the CPU's feature flags, as /proc/cpuinfo names them
+    choose(requested, flags, built)    "auto": the most demanding built variant whose flags the CPU has
+                                       (portable needs none); a named one only if the CPU has its flags
+    load(requested)                    that variant's four libraries, loaded once per process (ctypes)
+
+A CPU the build did not target gets a variant it can run (portable at least), never one it lacks: forcing a
+variant the CPU cannot run raises KernelUnavailable naming the missing flags, instead of dying of SIGILL in
+the first kernel call. So does a build whose manifest says other sources than the ones beside it (a stale
+editable install: `make kernels` rebuilds), or a missing build.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kernels.cpu.build import KERNELS, MANIFEST, SOURCES, source_digest, variants
+from kernels.cpu.fused import Fused
+from kernels.cpu.logits import Logits
+from kernels.cpu.paged_decode import PagedDecode
+from kernels.cpu.paged_prefill import PagedPrefill
+
+LIB_DIR = SOURCES / "lib"
+CPUINFO = Path("/proc/cpuinfo")
+
+
+class KernelUnavailable(RuntimeError):
+    """The C++ kernels cannot run here: not built, built from other sources, or a variant this CPU lacks."""
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """The first processor's flags ("flags" on x86, "Features" on ARM); empty if there is no such file."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def choose(requested: str, flags: frozenset[str], built: list[str], machine: str | None = None) -> str:
+    """The variant to run. Raises KernelUnavailable for a named variant not built or not runnable here."""
+    known = {v.name: v for v in variants(machine)}
+    if requested != "auto":
+        if requested not in known:
+            raise KernelUnavailable(f"unknown CPU kernel variant {requested!r}; known here: {sorted(known)}")
+        missing = sorted(known[requested].requires - flags)
+        if missing:
+            raise KernelUnavailable(f"this CPU cannot run the {requested} kernels: it lacks {', '.join(missing)}")
+        if requested not in built:
+            raise KernelUnavailable(f"the {requested} kernels were not built (built: {', '.join(built) or 'none'})")
+        return requested
+    runnable = [v.name for v in variants(machine) if v.name in built and v.requires <= flags]
+    if not runnable:
+        raise KernelUnavailable(f"no built CPU kernel variant runs on this CPU (built: {', '.join(built) or 'none'})")
+    return runnable[-1]
+
+
+def manifest(directory: Path = LIB_DIR) -> dict:  # type: ignore[type-arg]
+    """The build's manifest. Raises KernelUnavailable if there is no build, or one from other sources."""
+    try:
+        m = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise KernelUnavailable(f"the C++ kernels are not built ({directory / MANIFEST}: {exc}); `pip install` "
+                                "builds them (`make kernels` in a source checkout)") from exc
+    if m.get("machine") != platform.machine():
+        raise KernelUnavailable(f"the C++ kernels were built for {m.get('machine')}, this is {platform.machine()}")
+    if sorted(m.get("kernels", [])) != sorted(KERNELS):
+        raise KernelUnavailable(f"the C++ kernels build holds {m.get('kernels')}, not {list(KERNELS)}")
+    if any(SOURCES.glob("*.cpp")) and m.get("sources") != source_digest():
+        raise KernelUnavailable("the C++ kernels were built from other sources than the ones installed (an "
+                                "editable install after an edit): `make kernels` rebuilds them")
+    return m
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """One variant's libraries, loaded: the launchers the op layer calls."""
+
+    variant: str
+    compiler: str
+    decode: PagedDecode
+    prefill: PagedPrefill
+    fused: Fused
+    logits: Logits
+    paths: dict[str, str] = field(default_factory=dict)      # kernel -> the loops it runs (avx2, avx512, ...)
+
+
+@functools.cache
+def load(requested: str = "auto", directory: Path = LIB_DIR) -> CpuKernels:
+    """The kernels of the variant `choose` picks for this CPU (cached: a library is loaded once a process).
+    Raises KernelUnavailable."""
+    m = manifest(directory)
+    variant = choose(requested, cpu_flags(), list(m.get("variants", {})))
+    libs: dict[str, ctypes.CDLL] = {}
+    for name in KERNELS:
+        path = directory / variant / f"{name}.so"
+        try:
+            libs[name] = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise KernelUnavailable(f"loading {path} failed: {exc}") from exc
+    decode, prefill = PagedDecode(libs["paged_decode"]), PagedPrefill(libs["paged_prefill"])
+    fused, logits = Fused(libs["fused"]), Logits(libs["logits"])
+    paths = {"paged_decode": decode.path, "paged_prefill": "avx512_bf16" if prefill.available else "unavailable",
+             "fused": fused.path, "logits": logits.path}
+    return CpuKernels(variant, m.get("compiler_version") or m.get("compiler", ""), decode, prefill, fused, logits,
+                      paths)
+
+
+def built_variants(directory: Path = LIB_DIR) -> list[str]:
+    try:
+        return list(manifest(directory).get("variants", {}))
+    except KernelUnavailable:
+        return []
+
+
+def runnable_variants(directory: Path = LIB_DIR) -> list[str]:
+    """Built variants this CPU can run, least demanding first (tests run each)."""
+    flags = cpu_flags()
+    return [v.name for v in variants() if v.name in built_variants(directory) and v.requires <= flags]
+
+
+__all__ = ["CpuKernels", "KernelUnavailable", "LIB_DIR", "choose", "cpu_flags", "load", "manifest",
+           "runnable_variants"]

@@ -1,0 +1,291 @@
+"""The op layer: the engine's one door to compute. Which implementation runs each op is decided here, once, when
+`Ops` is made, from the device, the CPU's instruction set and the configuration; the engine calls the ops and
+never asks which device it is on or whether a kernel is available.
+
+    op                      implementations (the first that applies)
+    rms_norm, add_rms_norm  C++ (kernels/cpu/fused.cpp) for the mixed-precision path; torch
+    qkv_rope, silu_mul      C++ for the mixed-precision path; torch
+    linear                  quantized weights: torch's int4 / int8 kernel or the bfloat16 GEMM (oneDNN), by the
+                            step's shape; plain weights: torch's linear
+    logits                  a quantized head: coarse logits, then the top ones exact (C++ top-k and refine, or
+                            torch); a plain head: torch's linear
+    row_stats, topk         C++ (kernels/cpu/logits.cpp); torch
+    attention               the KV backend's kernels, by family: "cpu" (C++ paged decode + flash or C++ paged
+                            prefill), "torch", "triton" (kernels/cpu_backend.py, torch_backend.py,
+                            triton_backend.py); `attention_family` picks the default
+
+Two precisions. `mixed=False` is the reference: every op in the model's dtype, as transformers computes it (the
+parity tests hold the float32 model to transformers token for token). `mixed=True` is the quantized model's:
+bfloat16 between the matmuls, a float32 residual stream, float32 math inside each op, one rounding at its end;
+the C++ kernels implement it and the torch fallbacks compute the same formula.
+
+Batch invariance (`KernelConfig.batch_invariant`): every choice that depends on the step's shape is fixed: the
+quantized layers and head take one kernel for every row count and every step (the int4 / int8 kernel: each
+output row a function of its input row only), the decode kernel cuts every sequence into splits of a fixed
+number of blocks and never cascades. What holds then, and what does not by default: README, "Batch invariance".
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels import quant_gemm as qg
+from kernels.cpu.build import variants
+from kernels.cpu.library import CpuKernels, KernelUnavailable, cpu_flags
+from kernels.cpu.library import load as load_cpu_kernels
+from kernels.cpu.logits import MAX_K
+from kernels.cpu_backend import INVARIANT_SPLIT_TOKENS
+
+WIDE_REFINE = 32                 # a wide step's int8 x int8 head: its top 32 logits recomputed exactly
+BF16_HEAD_REFINE = 16            # a bfloat16 head's rows are off by bfloat16 rounding only: its top 16
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """What the op layer is told; everything else it finds out."""
+
+    device: str = "cpu"
+    cpu_kernels: str = "auto"     # the C++ build to run: auto (the best the CPU has), none, or a variant's name
+    batch_invariant: bool = False
+    traced: bool = False          # the decode step's layers run in a torch.compile graph: elementwise ops in torch
+
+
+@dataclass
+class KernelReport:
+    """Which implementation runs each op, for the start log, /get_server_info and /metrics."""
+
+    device: str
+    cpu_variant: str | None                 # the C++ build running (None: none, see cpu_reason)
+    cpu_reason: str                         # why that one, or why none
+    ops: dict[str, str] = field(default_factory=dict)      # op -> implementation
+    batch_invariant: bool = False
+
+    def lines(self) -> list[str]:
+        """The start log: the C++ build and why, then one line an op."""
+        head = (f"C++ CPU kernels {self.cpu_variant} ({self.cpu_reason})" if self.cpu_variant is not None else
+                f"no C++ CPU kernels: {self.cpu_reason}")
+        if self.batch_invariant:
+            head += "; batch-invariant mode"
+        return [head] + [f"{op}: {impl}" for op, impl in self.ops.items()]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "cpu_variant": self.cpu_variant, "cpu_reason": self.cpu_reason,
+                "ops": dict(self.ops), "batch_invariant": self.batch_invariant}
+
+
+class Ops:
+    """Made once per engine; every call routes to the implementation chosen here."""
+
+    def __init__(self, config: KernelConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.cpu: CpuKernels | None = None
+        on_cpu = self.device.type == "cpu"
+        if not on_cpu:
+            reason = f"not used on {self.device.type}"
+        elif config.cpu_kernels == "none":
+            reason = "turned off (cpu_kernels none)"
+        else:
+            try:
+                self.cpu = load_cpu_kernels(config.cpu_kernels)
+                reason = _why(self.cpu.variant, config.cpu_kernels == "auto")
+            except KernelUnavailable as exc:
+                if config.cpu_kernels != "auto":
+                    raise        # a variant forced by name that cannot run here: refuse to start, never SIGILL
+                reason = str(exc)
+        self._fused = None if self.cpu is None or config.traced else self.cpu.fused
+        self._logits = None if self.cpu is None else self.cpu.logits
+        self.quantized_gemms = on_cpu            # torch's int4 / int8 kernels are CPU kernels
+        ops: dict[str, str] = {}
+        variant = f"c++ {self.cpu.variant}" if self.cpu is not None else "torch"
+        if self.cpu is not None:
+            ops["elementwise (mixed precision)"] = (
+                "torch (inside the compiled decode graph)" if config.traced else f"c++ {self.cpu.variant} "
+                f"({self.cpu.paths['fused']})")
+            ops["logits reductions"] = f"c++ {self.cpu.variant} ({self.cpu.paths['logits']})"
+            ops["paged decode"] = f"c++ {self.cpu.variant} ({self.cpu.paths['paged_decode']})"
+            ops["paged prefill (bf16 cache)"] = (f"c++ {self.cpu.variant}" if self.cpu.prefill.available
+                                                 else "torch flash attention (no AVX-512 BF16 build)")
+            if config.batch_invariant:
+                ops["paged decode"] += f", {INVARIANT_SPLIT_TOKENS}-token splits, no cascade"
+                ops["paged prefill (bf16 cache)"] = ops["paged prefill (float32 cache)"] = \
+                    "the paged decode kernel, a row at a time (batch-invariant)"
+        else:
+            ops["elementwise (mixed precision)"] = ops["logits reductions"] = variant
+            ops["paged decode"] = "triton" if self.device.type == "cuda" else "torch"
+        if on_cpu:
+            ops["quantized gemm"] = ("int4 / int8 kernel at every row count (batch-invariant)"
+                                     if config.batch_invariant else
+                                     f"int4 / int8 kernel below {qg.DENSE_FROM_ROWS} decode rows, else bfloat16 "
+                                     f"({'oneDNN' if qg.onednn_bf16() else 'torch linear'})")
+        self.report = KernelReport(str(self.device), self.cpu.variant if self.cpu is not None else None, reason, ops,
+                                   config.batch_invariant)
+
+    # -- choices the engine asks for by what it wants, never by device ------------------------------------------
+    def attention_family(self, kv_cache_dtype: torch.dtype) -> str:
+        """The default attention kernels: triton on CUDA; on the CPU, cpu (C++) for a bfloat16 cache or in the
+        batch-invariant mode, torch for float32 (the exact path: the parity tests)."""
+        if self.device.type == "cuda":
+            return "triton"
+        return "cpu" if kv_cache_dtype == torch.bfloat16 or self.config.batch_invariant else "torch"
+
+    def default_kv_cache_dtype(self, dtype: str, quantized: bool) -> str:
+        """bfloat16 when the weights are quantized (already approximate): half the bytes every decode step reads;
+        float32 caches stay for the exact path."""
+        return "bfloat16" if quantized and self.quantized_gemms else dtype
+
+    # -- elementwise ------------------------------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, mixed: bool) -> torch.Tensor:
+        """x [T, H] -> normalized: mixed, bf16(w * x * rsqrt(mean(x^2) + eps)) from a float32 x; else in x's
+        dtype as transformers' LlamaRMSNorm (w * (x * r).to(dtype))."""
+        if not mixed:
+            x32 = x.float()
+            return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        if self._fused is not None and x.dtype == weight.dtype == torch.float32:
+            return self._fused.rms_norm(x, weight, eps)
+        x32 = x.float()
+        return (weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(qg.ACT)
+
+    def add_rms_norm(self, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
+                     mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + r, rms_norm(x + r)). Mixed: x float32 is updated in place by the C++ kernel (r bfloat16)."""
+        if mixed and self._fused is not None and x.dtype == weight.dtype == torch.float32 and \
+                r.dtype == torch.bfloat16 and not x.requires_grad:
+            return x, self._fused.add_rms_norm(x, r, weight, eps)
+        x = x + r.to(x.dtype)
+        return x, self.rms_norm(x, weight, eps, mixed)
+
+    def final_norm(self, x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The model's last norm, into the model's dtype (what the head reads): rms_norm(x + r) as transformers."""
+        if r is not None:
+            x = x + r.to(x.dtype)
+        return self.rms_norm(x, weight, eps, mixed=False)
+
+    def qkv_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 head_dim: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split a [T, (H + 2 Hkv) D] projection into q [T, H, D], k, v [T, Hkv, D] and rotate q and k by cos, sin
+        (NeoX halves). Mixed: a bfloat16 projection gives float32 q, k, v; else they keep qkv's dtype."""
+        t = qkv.shape[0]
+        if mixed and self._fused is not None and qkv.dtype == torch.bfloat16 and cos.dtype == torch.float32:
+            return self._fused.qkv_rope(qkv, cos.contiguous(), sin.contiguous(), num_heads, num_kv_heads, head_dim)
+        if mixed:
+            qkv = qkv.float()
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q = _rotate(q.view(t, num_heads, head_dim), cos, sin)
+        k = _rotate(k.view(t, num_kv_heads, head_dim), cos, sin)
+        return q, k, v.reshape(t, num_kv_heads, head_dim)
+
+    def silu_mul(self, gate_up: torch.Tensor, mixed: bool) -> torch.Tensor:
+        """silu(gate) * up of a [T, 2I] = [gate | up] projection: mixed, float32 math rounded once to bfloat16;
+        else in gate_up's dtype."""
+        if mixed and self._fused is not None and gate_up.dtype == torch.bfloat16:
+            return self._fused.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        if mixed:
+            return (F.silu(gate.float()) * up.float()).to(qg.ACT)
+        return F.silu(gate) * up
+
+    # -- GEMMs ------------------------------------------------------------------------------------------------------
+    def linear(self, layer: Any, x: torch.Tensor, prefill: bool) -> torch.Tensor:
+        """A projection: an nn.Linear, or a quantized layer (engine/models/quant.py: `kind` "int4" with `packed`
+        and `scale_zero`, or "int8" with `weight_q` and `scale`; `dense`, the bfloat16 weight as
+        quant_gemm.pack_dense made it, empty if never read; `bias`), bfloat16 in and out. A quantized layer takes
+        the bfloat16 GEMM for a step with a prefill chunk or of DENSE_FROM_ROWS rows and more, its int4 / int8
+        kernel otherwise; in the batch-invariant mode, its int4 / int8 kernel always.
+
+        NOTE: why per step and not per row count alone: a prompt's tokens must go through the same kernel
+        whether they are computed in one prefill or in two (a registered prefix, then the request's own
+        tokens), or a named prefix would not give the inline request's answer."""
+        kind = getattr(layer, "kind", None)
+        if kind is None:
+            return F.linear(x, layer.weight, layer.bias)
+        if self._dense(layer, x.shape[0], prefill):
+            return qg.dense_mm(x, layer.dense, layer.bias)
+        y = qg.int4_mm(x, layer.packed, layer.scale_zero) if kind == "int4" else \
+            qg.int8_mm(x, layer.weight_q, layer.scale)
+        return y if layer.bias is None else y.add_(layer.bias.to(qg.ACT))
+
+    def _dense(self, layer: Any, rows: int, prefill: bool) -> bool:
+        if self.config.batch_invariant or layer.dense.numel() == 0:
+            return False
+        return prefill or rows >= qg.DENSE_FROM_ROWS
+
+    def logits(self, head: Any, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> float32 [T, vocab]. A quantized head (engine/models/quant.py QuantLogits: `kind` "head",
+        `coarse` a quantized layer, `weight` the exact [vocab, hidden] rows, `refine` how many, `wide` the int8 x
+        int8 head or None): coarse logits for the whole vocabulary, then each row's top ones recomputed exactly in
+        float32 from the float weight."""
+        if getattr(head, "kind", None) != "head":
+            return F.linear(x, head.weight, head.bias).float()
+        xf = x.float().contiguous()
+        rows = x.shape[0]
+        if self.config.batch_invariant or rows < qg.DENSE_FROM_ROWS:
+            logits, k = self.linear(head.coarse, x.to(qg.ACT), prefill=False).float(), head.refine
+        elif head.wide is not None:
+            logits, k = head.wide(xf), min(head.refine, WIDE_REFINE)
+        else:
+            logits, k = self.linear(head.coarse, x.to(qg.ACT), prefill=True).float(), min(head.refine, BF16_HEAD_REFINE)
+        top = self.topk(logits, k)
+        if self._logits is not None and head.weight.dtype in (torch.float32, torch.bfloat16):
+            return self._logits.refine(logits, top, xf, head.weight.contiguous())
+        exact = torch.einsum("tkh,th->tk", head.weight[top].float(), xf)
+        return logits.scatter_(1, top, exact)
+
+    def wide_head(self, weight: torch.Tensor) -> qg.Int8ActHead | None:
+        """The int8 x int8 head for wide steps, where oneDNN has it (never read in the batch-invariant mode)."""
+        return None if self.config.batch_invariant else qg.Int8ActHead.make(weight)
+
+    # -- logits reductions ------------------------------------------------------------------------------------------
+    def row_stats(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logsumexp [N], argmax [N] or None): one pass with the C++ kernel (torch.argmax's index exactly, the
+        log-normalizer within float32 rounding); torch's logsumexp (and no argmax) otherwise."""
+        if self._logits is not None and logits.dim() == 2 and logits.stride(1) == 1 and \
+                logits.device.type == "cpu" and logits.dtype == torch.float32:
+            return self._logits.row_stats(logits)
+        return torch.logsumexp(logits, dim=-1), None
+
+    def topk(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """The indices of each row's k largest logits, in no particular order (which of equal values: either)."""
+        if self._logits is not None and logits.device.type == "cpu" and logits.stride(-1) == 1 and k <= MAX_K:
+            return self._logits.row_topk(logits, k)
+        return logits.topk(k, dim=-1).indices
+
+
+def _why(variant: str, auto: bool) -> str:
+    """Why this build: forced, or the best this CPU runs and what the next one needs that it lacks."""
+    if not auto:
+        return "forced by cpu_kernels"
+    names = [v.name for v in variants()]
+    better = variants()[names.index(variant) + 1:]
+    if not better:
+        return "the most demanding build, and this CPU has its flags"
+    missing = sorted(better[0].requires - cpu_flags())
+    if not missing:
+        return f"the best build this CPU runs; {better[0].name} was not built (the compiler did not take it)"
+    return f"the best build this CPU runs; {better[0].name} needs {', '.join(missing)}, which it lacks"
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos, sin [T, 1, D] (NeoX halves), in x's dtype (transformers' formula)."""
+    return _rotate(x, cos, sin)
+
+
+
+
+@functools.cache
+def default_ops(device: str = "cpu") -> Ops:
+    """The op layer with the default configuration: for layers made outside an engine (tests, tools)."""
+    return Ops(KernelConfig(device=device))
+
+
+__all__ = ["KernelConfig", "KernelReport", "Ops", "apply_rotary", "default_ops"]

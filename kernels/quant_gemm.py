@@ -1,0 +1,109 @@
+"""Weight-only quantized GEMMs on the CPU: torch's int4 and int8 kernels and oneDNN's bfloat16 and int8 x int8
+GEMMs, with the packing each reads. The op layer (kernels/ops.py) decides which one a step runs; the engine's
+quantized modules (engine/models/quant.py) hold the packed weights.
+
+    int4   4-bit weights, a scale and a zero per group of 32 (`_weight_int4pack_mm_for_cpu`, tinygemm's
+           convention: w = (q - 8) * scale + zero), bfloat16 activations in and out
+    int8   int8 weights, one scale per output row (`_weight_int8pack_mm`), bfloat16 in and out
+    dense  the same weight in bfloat16, reordered once into oneDNN's blocked layout where oneDNN has a bf16
+           GEMM here (what inductor's freezing does for CPU linears: measured 15.5 / 44.7 ms a step at 16 / 64
+           rows against 29.7 / 58.3 for F.linear, which reorders the weight every call; equal results)
+    Int8ActHead   int8 weights x int8 activations (oneDNN's VNNI kernel), for a wide step's output projection
+
+The CPU's int4 and int8 kernels read each weight row once per input row (a matrix-vector product a row), so
+they win while a step has a few rows (memory-bound) and lose to the bfloat16 GEMM once it has many
+(compute-bound): DENSE_FROM_ROWS, measured in engine/models/quant.py's docstring.
+"""
+from __future__ import annotations
+
+import torch
+
+GROUP = 32                       # the int4 group along the input dimension (GGUF's block size)
+ACT = torch.bfloat16             # the activations' dtype in and out of every quantized GEMM
+DENSE_FROM_ROWS = 10             # steps of this many rows or more use the bfloat16 weight (by default)
+
+
+# oneDNN has a bfloat16 GEMM on this CPU (AVX-512 BF16 / AMX; AVX2 CPUs get F.linear). A constant, read by
+# the compiled decode graph too.
+ONEDNN_BF16 = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def onednn_bf16() -> bool:
+    return ONEDNN_BF16
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [out, in] 0..15, scale, zero [out, in // GROUP] -> (the int4 kernel's packed weight, [in // GROUP, out, 2]
+    bfloat16 scale and zero)."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(ACT)
+    return packed, sz
+
+
+def int4_fits(w: torch.Tensor) -> bool:
+    """The int4 kernel's shape rules: whole groups along the input, output rows a multiple of 16."""
+    return w.shape[1] % GROUP == 0 and w.shape[0] % 16 == 0
+
+
+def pack_dense(w: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight as the bfloat16 GEMM reads it (oneDNN's layout where available)."""
+    w = w.to(ACT).contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(w, 64) if ONEDNN_BF16 else w
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """x [T, in] bfloat16 -> [T, out] bfloat16."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zero)
+
+
+def int8_mm(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, in] bfloat16 -> [T, out] bfloat16."""
+    return torch.ops.aten._weight_int8pack_mm(x, weight_q, scale)
+
+
+def dense_mm(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] bfloat16 @ W^T (+ b), W as `pack_dense` made it -> [T, out] bfloat16."""
+    b = None if bias is None else bias.to(ACT)
+    if ONEDNN_BF16:
+        return torch.ops.mkldnn._linear_pointwise(x, dense, b, "none", [], "")
+    return torch.nn.functional.linear(x, dense, b)
+
+
+class Int8ActHead:
+    """The output projection of a wide step as an int8 x int8 product on oneDNN's VNNI kernel: int8 weights
+    with one scale per vocabulary row, the step's activations as int8 with one scale per row (applied to the
+    output row: oneDNN takes one activation scale a call). Twice the bfloat16 GEMM's rate on an AVX-512 CPU
+    (measured 5.1 against 9.5 ms for SmolLM2's 49,152 x 576 head at 64 rows); its logits are off by up to a
+    few units, which is why the quantized head recomputes the top ones exactly. `make` gives None where
+    oneDNN's quantized linear is missing or fails here."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.detach().float()
+        self.scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.packed = torch.ops.onednn.qlinear_prepack(torch.round(w / self.scale[:, None]).to(torch.int8), None)
+        self.zeros = torch.zeros(w.shape[0], dtype=torch.int64)
+
+    @classmethod
+    def make(cls, weight: torch.Tensor) -> Int8ActHead | None:
+        if weight.device.type != "cpu" or not ONEDNN_BF16 or not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+            return None
+        try:
+            head = cls(weight)
+            x = torch.linspace(-1.0, 1.0, DENSE_FROM_ROWS * weight.shape[1]).view(DENSE_FROM_ROWS, -1)  # no RNG
+            if not torch.isfinite(head(x)).all():
+                return None
+        except (RuntimeError, NotImplementedError):
+            return None
+        return head
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] float32 -> [T, vocab] float32."""
+        s = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        xq = torch.round(x / s).add_(128).to(torch.uint8)
+        y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, self.packed, self.scale, self.zeros, None, 1.0, 0,
+                                               torch.float32, "none", [], "")
+        return y.mul_(s)
+
+
+__all__ = ["ACT", "DENSE_FROM_ROWS", "GROUP", "Int8ActHead", "dense_mm", "int4_fits", "int4_mm", "int8_mm",
+           "onednn_bf16", "pack_dense", "pack_int4"]
