@@ -105,6 +105,13 @@ class DiskBackend:
     def num_files(self) -> int:
         return len(self._index)
 
+    def _lost(self) -> None:
+        """The directory is gone (deleted, an unmounted volume): so is everything the index named in it."""
+        with self._lock:
+            self._index.clear()
+            self._bytes = 0
+        self._dir_mtime.clear()
+
     def _drop(self, rel: str) -> None:
         with self._lock:
             size = self._index.pop(rel, None)
@@ -128,6 +135,8 @@ class DiskBackend:
         try:
             namespaces = [e for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
         except OSError as exc:
+            if not self.root.is_dir():
+                self._lost()
             self._fault("io", ".", exc)
             return
         for ns in namespaces:
@@ -214,13 +223,10 @@ class DiskBackend:
         if folder.is_dir():
             return
         if not self.root.is_dir():
+            self._lost()
             if self.shared:
                 raise FileNotFoundError(errno.ENOENT, "the shared KV tier directory is gone", str(self.root))
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            with self._lock:                          # what the index knew went with it
-                self._index.clear()
-                self._bytes = 0
-            self._dir_mtime.clear()
         folder.parent.mkdir(mode=0o700, exist_ok=True)
         folder.mkdir(mode=0o700, exist_ok=True)
 
@@ -253,8 +259,11 @@ class DiskBackend:
                     self._reject(rel, "corrupt", "size does not match")
                     return None
         except FileNotFoundError as exc:
-            self._drop(rel)
-            self._fault("missing", rel, exc)
+            if rel in self._index:                  # the index named it: deleted behind our back
+                self._drop(rel)
+                self._fault("missing", rel, exc)
+                if not self.root.is_dir():
+                    self._lost()
             return None
         except BadBlockFile as exc:
             self._reject(rel, "corrupt", exc)
