@@ -42,6 +42,7 @@ from engine.kv.tier.format import BadBlockFile, Header, checksum, decode_header,
 
 log = logging.getLogger(__name__)
 _NOSPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+LOG_EVERY_S = 10.0
 _STALE_TMP_S = 600.0        # a shared directory's temporary files older than this are leftovers of a crash
 
 
@@ -79,6 +80,7 @@ class DiskBackend:
         self._dir_mtime: dict[str, int] = {}                 # fan-out folder -> mtime_ns at its last listing
         self.faults = {"missing": 0, "corrupt": 0, "foreign": 0, "io": 0, "nospace": 0}
         self.evicted_files = 0
+        self._logged: dict[str, float] = {}                  # fault kind -> when it was last logged
         self.scan()
 
     # -- names --------------------------------------------------------------------------------
@@ -119,8 +121,14 @@ class DiskBackend:
                 self._bytes -= size
 
     def _fault(self, kind: str, rel: str, why: object) -> None:
+        """Counts a fault; logs it, at most once per LOG_EVERY_S per kind (a volume that went away fails every
+        write: the count says how many, the log says why)."""
         self.faults[kind] += 1
-        log.warning("KV tier %s: %s fault on %s: %s", self.name, kind, rel, why)
+        now = time.monotonic()
+        if now - self._logged.get(kind, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged[kind] = now
+            log.warning("KV tier %s: %s fault on %s: %s (%d %s faults so far)", self.name, kind, rel, why,
+                        self.faults[kind], kind)
 
     # -- scanning (I/O threads) -------------------------------------------------------------------
     def scan(self) -> None:

@@ -194,7 +194,8 @@ class KVTier:
 
     def discard(self, hashes: Sequence[BlockHash]) -> None:
         """Removes blocks from every backend (a deleted prefix's)."""
-        self._deferred = [(b, h) for b, h in self._deferred if h not in set(hashes)]
+        gone = set(hashes)
+        self._deferred = [(b, h) for b, h in self._deferred if h not in gone]
         self._writes.put(_Deletes(list(hashes)))
 
     # -- engine thread: loading ---------------------------------------------------------------

@@ -36,9 +36,10 @@ def make(model: Path, tier: Path | None = None, shared: Path | None = None, bloc
 
 
 def run(engine: LLMEngine, prompt: list[int], salt: tuple[tuple[int, str], ...] = (),
-        rid: str | None = None) -> RequestOutput:
-    rid = rid or f"r{time.perf_counter_ns()}"
-    engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, cache_salt=salt))
+        max_tokens: int = 6) -> RequestOutput:
+    rid = f"r{time.perf_counter_ns()}"
+    engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                   cache_salt=salt))
     final = None
     while engine.has_unfinished():
         for out in engine.step():
@@ -58,7 +59,7 @@ def evict(engine: LLMEngine, prompt: list[int], seed: int = 100, salt: tuple[tup
     for _ in range(20):
         if first not in engine.core.pool.cached:
             break
-        run(engine, toks(7 * B, seed))
+        run(engine, toks(7 * B, seed), max_tokens=1)
         seed += 1
     assert first not in engine.core.pool.cached
     tier = engine.core.tier
