@@ -204,16 +204,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.served
     ap.add_argument("--lengths", default="1024,3072", help="registered prefix lengths in tokens, comma-separated")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--restart-blocks", type=int, default=2048, help="KV blocks of the restart servers")
-    ap.add_argument("--sessions", type=int, default=None, help="multi-turn sessions (default 12, --quick 6)")
-    ap.add_argument("--turns", type=int, default=None, help="turns per session (default 6, --quick 4)")
-    ap.add_argument("--user-tokens", type=int, default=224, help="tokens a user adds per turn")
+    ap.add_argument("--sessions", type=int, default=None, help="multi-turn sessions (default 12, --quick 4)")
+    ap.add_argument("--turns", type=int, default=None, help="turns per session (default 6, --quick 3)")
+    ap.add_argument("--user-tokens", type=int, default=None, help="tokens a user adds per turn (default 224, "
+                    "--quick 160)")
     ap.add_argument("--answer-tokens", type=int, default=32)
     ap.add_argument("--session-blocks", type=int, default=None,
                     help="KV blocks of the multi-turn servers (default: a third of the final histories)")
     ap.add_argument("--skip", default="", help="restart or sessions: a part not to run")
     args = ap.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
-    for name, full, quick in (("sessions", 12, 6), ("turns", 6, 4)):
+    for name, full, quick in (("sessions", 12, 4), ("turns", 6, 3), ("user_tokens", 224, 160)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     redis = shutil.which("redis-server")
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.served
                         total = args.sessions * args.turns * (args.user_tokens + args.answer_tokens)
                         args.session_blocks = -(-total // 3 // 16)
                     out["sessions"] = {"tier": sessions(args, tmp, True), "no_tier": sessions(args, tmp, False)}
+                tqdm.write(report(args, {part: out[part]})[0])      # each part's table as soon as it is done
         finally:
             rproc.terminate()
             rproc.wait(10)
