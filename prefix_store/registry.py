@@ -150,9 +150,11 @@ class PrefixRegistry:
         self.store_ok = True
         async with self.lock:
             wanted = {r.key: r for r in records}
+            now = time.time()
             for name in [n for n in self.local if n not in wanted or
                          not wanted[n].same_content(self.local[n].record)]:
-                await self.unpin_local(name)
+                # gone from the store while its lease still ran: deleted (its blocks leave the KV tier too)
+                await self.unpin_local(name, forget=name not in wanted and not self.local[name].record.expired(now))
             for name, record in wanted.items():
                 if self._closing:
                     return

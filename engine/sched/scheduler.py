@@ -242,7 +242,8 @@ class Scheduler:
             return False
         if seq.tier_load is None:
             first, limit = len(hit.blocks), (seq.num_tokens - 1) // self.manager.block_size
-            seq.tier_load = tier.request(seq.block_hashes, seq.token_ids, first, limit) if first < limit else None
+            seq.tier_load = tier.request(seq.block_hashes, seq.token_ids, first, limit, hit.blocks) \
+                if first < limit else None
         if seq.tier_load is not None and not seq.tier_load.installed and not tier.waiting_too_long(seq.tier_load):
             return True
         seq.tier_load, seq.tier_checked = None, True

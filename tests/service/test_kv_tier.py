@@ -69,6 +69,12 @@ def test_a_restarted_replica_restores_its_prefixes_and_forgets_a_deleted_one(tin
         status, _ = http("DELETE", f"{second.url}/v1/prefixes/sys")
         assert status == 200
         wait_for(lambda: not hashes & block_files(tier), "the deleted prefix's files to go")
+        # a lease that ends is not a deletion: its blocks stay on disk (until the LRU takes them)
+        status, lease = http("POST", f"{second.url}/v1/prefixes", {"name": "brief", "prompt": "Lease. " + PROMPT,
+                                                                    "ttl_seconds": 1})
+        assert status == 201, lease
+        wait_for(lambda: not http("GET", f"{second.url}/v1/prefixes")[1]["data"], "the lease to end")
+        assert set(lease["block_hashes"]) <= block_files(tier)
     finally:
         second.stop()
 

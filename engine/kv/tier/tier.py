@@ -67,6 +67,8 @@ class LoadJob:
     hashes: list[BlockHash]
     parent: BlockHash                              # the hash before hashes[0] (the root for a first block)
     token_ids: list[tuple[int, ...]]
+    keep: list[tuple[Block, BlockHash]] = field(default_factory=list)   # the prompt's cached blocks before
+                                                                       # hashes[0] (its hit), with their hashes
     started: float = field(default_factory=time.monotonic)
     data: torch.Tensor | None = None               # [n, *block_shape], filled by the loader
     count: int = 0                                 # leading blocks read and verified
@@ -199,10 +201,12 @@ class KVTier:
         self._writes.put(_Deletes(list(hashes)))
 
     # -- engine thread: loading ---------------------------------------------------------------
-    def request(self, hashes: Sequence[BlockHash], token_ids: Sequence[int], first: int, limit: int) -> LoadJob | None:
+    def request(self, hashes: Sequence[BlockHash], token_ids: Sequence[int], first: int, limit: int,
+                keep: Sequence[Block] = ()) -> LoadJob | None:
         """Blocks first..limit-1 of a prompt (`hashes`: its chained block hashes, `token_ids`: its tokens) are not
         in the cache: the load that brings the leading ones the tier has (one already running for the same block
-        is shared), or None when the tier has not block `first` (those blocks are counted as misses)."""
+        is shared), or None when the tier has not block `first` (those blocks are counted as misses). `keep`: the
+        prompt's blocks before `first`, cached now: the install does not evict them to make room."""
         job = self._loading.get(hashes[first])
         if job is not None:
             return job
@@ -215,7 +219,8 @@ class KVTier:
             return None
         b = self.block_size
         job = LoadJob(list(hashes[first:first + n]), hashes[first - 1] if first else self.root,
-                      [tuple(token_ids[i * b:(i + 1) * b]) for i in range(first, first + n)])
+                      [tuple(token_ids[i * b:(i + 1) * b]) for i in range(first, first + n)],
+                      [(blk, blk.block_hash) for blk in keep if blk.block_hash is not None])
         for h in job.hashes:
             self._loading[h] = job
         self._loading_blocks += n
@@ -279,9 +284,14 @@ class KVTier:
         n = 0
         while n < job.count and job.hashes[n] not in pool.cached:
             n += 1
+        # NOTE: the prompt's own cached head may be the least recently used blocks (a session back after the
+        # others' turns): held while the loaded blocks are allocated, or they would be evicted for its tail
+        held = [blk for blk, h in job.keep if pool.cached.get(h) is blk]
+        pool.touch(held)
         fit = min(n, pool.num_free - keep_free)
         self.dropped_loads += job.count - max(fit, 0)
         if fit <= 0 or job.data is None:
+            pool.free(held)
             return 0
         blocks = pool.allocate(fit)
         self.capture()                  # what that evicted is copied out before it is overwritten
@@ -291,6 +301,7 @@ class KVTier:
             pool.cache_full_block(block, job.hashes[i], job.token_ids[i], parent=parent)
             parent = job.hashes[i]
         pool.free(blocks)               # cached and free: the prompt's lookup takes them next
+        pool.free(held)
         self.hit_blocks += fit
         return fit
 

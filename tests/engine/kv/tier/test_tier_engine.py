@@ -112,6 +112,24 @@ def test_a_block_evicted_a_moment_ago_is_a_hit_before_its_write_lands(tiny_llama
     engine.core.close()
 
 
+def test_loading_a_prompts_tail_does_not_evict_its_own_head(tiny_llama_dir: Path, tmp_path: Path,
+                                                             expected: Any) -> None:
+    """The multi-turn case: a prompt's tail was evicted (tails go first), its head is still cached but is now
+    the least recently used; the blocks loaded for its tail must not be allocated by evicting that head."""
+    engine = make(tiny_llama_dir, tmp_path, blocks=16)
+    prompt = toks(6 * B + 5, 17)                              # 6 full blocks + a partial one
+    run(engine, prompt)
+    run(engine, toks(12 * B + 8, 18), max_tokens=1)           # 13 blocks: evicts the prompt's blocks 5, 4, 3
+    cached = engine.core.manager.cached_blocks(prompt[:6 * B])
+    assert [b is not None for b in cached] == [True] * 3 + [False] * 3
+    assert engine.core.tier is not None and engine.core.tier.drain()
+    again = run(engine, prompt)
+    assert again.num_cached_tokens == 6 * B                   # 3 from the cache, 3 from the tier
+    assert tier_stat(engine, "hit_blocks") == 3
+    assert again.outputs[0].token_ids == expected(prompt)
+    engine.core.close()
+
+
 def test_a_restarted_engine_restores_a_pinned_prefix(tiny_llama_dir: Path, tmp_path: Path, expected: Any) -> None:
     prefix = toks(5 * B + 3, 2)
     first = make(tiny_llama_dir, tmp_path)
