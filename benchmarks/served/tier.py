@@ -288,26 +288,28 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> tuple[str, dict[str
 
 
 def figure(args: argparse.Namespace, out: dict[str, Any]) -> Any:
-    fig, axes = new_figure(2, width=5.5)
-    if "restart" in out:
-        r = out["restart"]
-        x = range(len(args.lengths))
-        axes[0].bar([i - 0.2 for i in x], [r["ttft"]["tier"]["lease"][n] * 1000 for n in args.lengths], 0.4,
-                    label="from the tier")
-        axes[0].bar([i + 0.2 for i in x], [r["ttft"]["no_tier"]["lease"][n] * 1000 for n in args.lengths], 0.4,
-                    label="cold compute")
-        axes[0].set_xticks(list(x), [f"{n} tokens" for n in args.lengths])
-        axes[0].set_ylabel("first-request TTFT after a restart (ms)")
-        axes[0].legend(fontsize=8)
-    if "sessions" in out:
-        for name, label in (("tier", "with the tier"), ("no_tier", "without")):
-            rows = out["sessions"][name]["rows"]
-            turns = sorted({r["turn"] for r in rows})
-            axes[1].plot([t + 1 for t in turns], [statistics.median(r["ttft"] * 1000 for r in rows if r["turn"] == t)
-                                                  for t in turns], marker="o", label=label)
-        axes[1].set_xlabel("turn")
-        axes[1].set_ylabel("TTFT p50 (ms)")
-        axes[1].legend(fontsize=8)
+    parts = [p for p in ("restart", "sessions") if p in out]
+    fig, axes = new_figure(max(1, len(parts)), width=5.5)
+    for ax, part in zip(axes, parts):
+        if part == "restart":
+            r = out["restart"]
+            x = range(len(args.lengths))
+            ax.bar([i - 0.2 for i in x], [r["ttft"]["tier"]["lease"][n] * 1000 for n in args.lengths], 0.4,
+                   label="from the tier")
+            ax.bar([i + 0.2 for i in x], [r["ttft"]["no_tier"]["lease"][n] * 1000 for n in args.lengths], 0.4,
+                   label="cold compute")
+            ax.set_yscale("log")
+            ax.set_xticks(list(x), [f"{n} tokens" for n in args.lengths])
+            ax.set_ylabel("first-request TTFT after a restart (ms, log)")
+        else:
+            for name, label in (("tier", "with the tier"), ("no_tier", "without")):
+                rows = out["sessions"][name]["rows"]
+                turns = sorted({r["turn"] for r in rows})
+                ax.plot([t + 1 for t in turns], [statistics.median(r["ttft"] * 1000 for r in rows if r["turn"] == t)
+                                                 for t in turns], marker="o", label=label)
+            ax.set_xlabel("turn")
+            ax.set_ylabel("TTFT p50 (ms)")
+        ax.legend(fontsize=8)
     return fig
 
 
