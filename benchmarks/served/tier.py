@@ -307,6 +307,7 @@ def figure(args: argparse.Namespace, out: dict[str, Any]) -> Any:
                 turns = sorted({r["turn"] for r in rows})
                 ax.plot([t + 1 for t in turns], [statistics.median(r["ttft"] * 1000 for r in rows if r["turn"] == t)
                                                  for t in turns], marker="o", label=label)
+            ax.set_xticks(range(1, args.turns + 1))
             ax.set_xlabel("turn")
             ax.set_ylabel("TTFT p50 (ms)")
         ax.legend(fontsize=8)
