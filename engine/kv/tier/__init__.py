@@ -2,8 +2,9 @@
 
     format.py   one block as a file: header (namespace, hash, parent, token ids, checksum) + K|V bytes
     disk.py     DiskBackend: a directory of block files, bounded in bytes, LRU, 0700/0600; local or shared
-    tier.py     KVTier: what the engine calls: evicted and pinned blocks written by a writer thread, prompts'
-                blocks read and verified by a loader thread, installed into the pool as cached blocks
+    io.py       TierIO: the writer thread (encode, checksum, write) and the loader thread (read, verify)
+    tier.py     KVTier: what the engine calls, on its thread: evicted and pinned blocks captured for the
+                writer, prompts' blocks requested from the loader, installed into the pool as cached blocks
 
 The shape is LMCache's (the ecosystem's KV tier, vLLM's connector): content-addressed chunks, asynchronous
 store and retrieve, a chain of storage backends tried in order. The chunk is our KV block, its key our
