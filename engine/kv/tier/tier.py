@@ -9,7 +9,7 @@
     a prompt's next block is not cached
       but the tier has it ─► request() ─────────────────────────────────► read, verify, fill a
       (the request waits; others run)                                     host buffer; done
-    install(): blocks from the pool, ◄──────────────────────────────────────────────┘
+    install_finished(): pool blocks, ◄──────────────────────────────────────────────┘
       bytes copied in, hashes given: ordinary cached blocks the prompt then hits
 
 Keys are the engine's own block hashes (block_pool.hash_block): chained from a root seeded by the model
