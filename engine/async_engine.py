@@ -368,9 +368,10 @@ class AsyncEngine:
             self._pin_futures.pop(job_id, None)
             self._send(("release", job_id, kept))
 
-    async def unpin_prefix(self, token_ids: list[int], salt: CacheSalt = ()) -> int:
+    async def unpin_prefix(self, token_ids: list[int], salt: CacheSalt = (), forget: bool = False) -> int:
+        """Drops the prefix's pins; `forget` (a deleted prefix): its blocks also leave the KV tier."""
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._send(("unpin", fut, list(token_ids), tuple(salt)))
+        self._send(("unpin", fut, list(token_ids), tuple(salt), forget))
         return await fut
 
     async def reset_prefix_cache(self) -> int:
@@ -502,7 +503,7 @@ class AsyncEngine:
             engine.release_pin(cmd[1], keep=cmd[2])
             self._pins_waiting.discard(cmd[1])
         elif kind == "unpin":
-            res.unpins.append((cmd[1], engine.unpin_prefix(cmd[2], cmd[3])))
+            res.unpins.append((cmd[1], engine.unpin_prefix(cmd[2], cmd[3], cmd[4])))
         elif kind == "reset":
             res.unpins.append((cmd[1], engine.core.reset_prefix_cache()))
 

@@ -70,6 +70,19 @@ class EngineConfig:
     compile_decode: bool = knob(False, "torch.compile the decode step (one graph per batch bucket 1-32, compiled at "
                                        "startup; prefill and larger batches stay eager; CPU only for now)")
     enable_prefix_caching: bool = knob(True, "share full KV blocks between requests with the same prefix")
+    kv_tier_dir: str | None = knob(None, "the KV tier: a directory (made 0700; files 0600) where evicted and pinned KV "
+                                         "blocks are written, and from which a prompt loads the blocks it would "
+                                         "otherwise compute, also after a restart. The files hold what prompts "
+                                         "computed: off unless set (README: The KV tier on disk)")
+    kv_tier_bytes: int = knob(8 * 2**30, "most bytes of block files in --kv-tier-dir (least recently used deleted "
+                                         "first)")
+    kv_tier_shared_dir: str | None = knob(None, "a KV tier directory several replicas share (a volume they all mount, "
+                                                "run as one user): a block one replica computed is a hit on the "
+                                                "others; read after --kv-tier-dir, written with it")
+    kv_tier_shared_bytes: int = knob(32 * 2**30, "most bytes of block files in --kv-tier-shared-dir, as this "
+                                                 "replica sees them")
+    kv_tier_load_timeout: float = knob(5.0, "seconds a request waits for its blocks to load from the KV tier; then "
+                                            "it computes them (a slow or hung disk)")
     pinned_fraction: float = knob(0.5, "cap on pinned (registered-prefix) blocks, as a share of all blocks")
     torch_threads: int | None = knob(None, "torch intra-op threads (serve / generate default: the cores this "
                                            "process may use, affinity and cgroup quota; offline LLM(): torch's)")
@@ -117,6 +130,14 @@ class EngineConfig:
              f"kv_backend must be one of {kv_backends.names()}, got {self.kv_backend!r}"),
             (self.map_ahead_tokens >= 0, "map_ahead_tokens must be >= 0"),
             (self.kv_max_mappings >= 16, "kv_max_mappings must be >= 16"),
+            (self.kv_tier_bytes >= 2**20, "kv_tier_bytes must be >= 1 MiB"),
+            (self.kv_tier_shared_bytes >= 2**20, "kv_tier_shared_bytes must be >= 1 MiB"),
+            (self.kv_tier_load_timeout > 0, "kv_tier_load_timeout must be > 0"),
+            (self.enable_prefix_caching or (self.kv_tier_dir is None and self.kv_tier_shared_dir is None),
+             "the KV tier (kv_tier_dir, kv_tier_shared_dir) needs enable_prefix_caching: its keys are block hashes"),
+            (self.kv_tier_dir is None or self.kv_tier_shared_dir is None
+             or Path(self.kv_tier_dir).expanduser().resolve() != Path(self.kv_tier_shared_dir).expanduser().resolve(),
+             "kv_tier_dir and kv_tier_shared_dir must be two directories"),
             (self.grammar_compile_timeout > 0, "grammar_compile_timeout must be > 0"),
             (self.grammar_compile_workers >= 1, "grammar_compile_workers must be >= 1"),
             (self.grammar_cache_size >= 1, "grammar_cache_size must be >= 1"),

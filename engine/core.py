@@ -25,9 +25,10 @@ from engine.errors import CapacityExceeded, EngineError, InvalidRequest, KVRefus
 from engine.kv import backends as kv_backends
 from engine.kv.backends.base import CacheSpec, KVStat, KVStore, blocks_for_budget
 from engine.kv.block_manager import BlockManager
-from engine.kv.block_pool import BlockPool
+from engine.kv.block_pool import BlockPool, root_hash
 from engine.kv.event_publisher import ZmqEventPublisher
 from engine.kv.events import KVEventQueue, KVEventsConfig
+from engine.kv.tier import create_tier
 from engine.models.chat_template import override_chat_template, read_chat_template
 from engine.models.default import NAME as DEFAULT_NAME
 from engine.models.default import TOOLS_TEMPLATE, default_model_path, is_builtin
@@ -65,6 +66,7 @@ class EngineStats:
     kv_events_dropped: int | None = None
     grammars_cached: int = 0                      # compiled grammars kept for reuse, and their bytes
     grammar_cache_bytes: int = 0
+    kv_tier_stats: dict[str, KVStat] = field(default_factory=dict)   # the KV tier's figures ({}: no tier)
 
 
 @dataclass
@@ -136,7 +138,11 @@ class EngineCore:
                                                           config.map_ahead_tokens, config.kv_max_mappings))
         self.manager = BlockManager(self.pool, self.block_size, loaded.fingerprint, config.enable_prefix_caching,
                                     self.kv_cache.placement)
-        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.tier = create_tier(config, self.kv_cache, (2, args.num_layers, self.block_size, args.num_kv_heads,
+                                                        args.head_dim), dtype, root_hash(loaded.fingerprint),
+                                self._tier_namespace(), max_load_blocks=max(1, num_blocks // 2))
+        self.pool.spill = self.tier
+        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens, self.tier)
         self.runner = ModelRunner(loaded.model, self.kv_cache, attention, config.device, self.manager)
         if config.compile_decode:
             took = self.runner.compile_decode(config.max_num_seqs)
@@ -152,6 +158,15 @@ class EngineCore:
         self._grammars_lock = threading.Lock()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
+
+    def _tier_namespace(self) -> str:
+        """What makes this engine's KV bytes reusable by another process: blocks are shared through the KV tier
+        only between engines that agree on all of it (the tokens are in the block hashes)."""
+        c, args = self.config, self.loaded.args
+        return (f"prefixserve-kv v1 fingerprint={self.loaded.fingerprint} kv_dtype={self.kv_cache_dtype} "
+                f"dtype={c.dtype} weights={self.loaded.quantization} attention={self.attention_backend} "
+                f"kv_backend={c.kv_backend} device={torch.device(c.device).type} compile_decode={c.compile_decode} "
+                f"block={self.block_size}x{args.num_layers}x{args.num_kv_heads}x{args.head_dim}")
 
     @property
     def grammars(self) -> Grammars:
@@ -297,6 +312,10 @@ class EngineCore:
                 "the request no longer fits the KV cache beside the pinned prefixes; retry later"))
             out.touch(seq.group)
         if not sched.scheduled:
+            if self.tier is not None:
+                self.tier.capture()         # what the scheduling evicted goes to the writer (a load may wait for it)
+                if self.tier.pending:
+                    self.tier.wait(0.05)    # requests wait for blocks from the tier: nothing to compute till then
             return out
         for s in sched.scheduled:
             if s.seq.group is not None and s.seq.group.times.scheduled is None:
@@ -304,6 +323,8 @@ class EngineCore:
         if self.kv_cache.ahead_tokens:
             self._grow_ahead(sched.scheduled)
         extra_rows, prompt_targets = self._prompt_logprob_rows(sched.scheduled)
+        if self.tier is not None:
+            self.tier.capture()             # blocks evicted for this step: copied out before it overwrites them
         try:
             step_logits = self.runner.execute(sched.scheduled, sched.copies, extra_rows)
         except KVRefused as exc:        # the KV cache cannot hold these: their requests end, the rest run next step
@@ -509,6 +530,8 @@ class EngineCore:
         """Stops what the core started besides itself (the KV-events publisher, the cache's threads)."""
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.tier is not None:
+            self.tier.close()
         self.kv_cache.close()
         with self._grammars_lock:
             if self._grammars is not None:
@@ -525,4 +548,5 @@ class EngineCore:
                            events.published_batches if events is not None else None,
                            events.queue.dropped if events is not None else None,
                            len(grammars.cache) if grammars is not None else 0,
-                           grammars.cache.num_bytes if grammars is not None else 0)
+                           grammars.cache.num_bytes if grammars is not None else 0,
+                           self.tier.stats() if self.tier is not None else {})

@@ -91,8 +91,9 @@ class LLMEngine:
         assert job.result is not None
         return job.result
 
-    def unpin_prefix(self, token_ids: list[int], salt: CacheSalt = ()) -> int:
-        return self.pins.unpin(token_ids, salt)
+    def unpin_prefix(self, token_ids: list[int], salt: CacheSalt = (), forget: bool = False) -> int:
+        """`forget`: the prefix was deleted: its blocks also leave the KV tier (pinning.PinStateMachine.unpin)."""
+        return self.pins.unpin(token_ids, salt, forget)
 
     def stats(self) -> EngineStats:
         return self.core.stats()

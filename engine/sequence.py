@@ -186,6 +186,8 @@ class Sequence:
         self.num_cached_tokens = -1           # prefix-cache hit at first admission; -1 until admitted
         self.num_written_tokens = 0           # prompt tokens whose blocks it was the first to cache
         self.block_hashes: list[Any] = []     # full-block hashes of token_ids (BlockHash), grown lazily
+        self.tier_load: Any = None            # the KV tier's load it waits for (engine/kv/tier), if any
+        self.tier_checked = False             # the KV tier was asked for its prompt since it last waited
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.cumulative_logprob = 0.0

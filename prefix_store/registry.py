@@ -152,9 +152,11 @@ class PrefixRegistry:
         self.store_ok = True
         async with self.lock:
             wanted = {r.key: r for r in records}
+            now = time.time()
             for name in [n for n in self.local if n not in wanted or
                          not wanted[n].same_content(self.local[n].record)]:
-                await self.unpin_local(name)
+                # gone from the store while its lease still ran: deleted (its blocks leave the KV tier too)
+                await self.unpin_local(name, forget=name not in wanted and not self.local[name].record.expired(now))
             for name, record in wanted.items():
                 if self._closing:
                     return
@@ -164,7 +166,9 @@ class PrefixRegistry:
     async def _apply(self, kind: str, name: str) -> None:
         async with self.lock:
             if kind == "deleted":
-                await self.unpin_local(name)
+                # deleted by its owner (forgotten: its blocks leave the KV tier too), or its lease ended (kept)
+                entry = self.local.get(name)
+                await self.unpin_local(name, forget=entry is not None and not entry.record.expired(time.time()))
                 return
             try:
                 record = await self.store.get(self.fingerprint, name)
@@ -188,10 +192,12 @@ class PrefixRegistry:
             return
         self.local[record.key] = LocalPrefix(record, pinned.num_pinned_blocks)
 
-    async def unpin_local(self, key: str) -> None:
+    async def unpin_local(self, key: str, forget: bool = False) -> None:
+        """Unpins a prefix of the local view; `forget` when it was deleted: the engine then also drops its blocks
+        from the KV tier (an ended lease's may stay)."""
         entry = self.local.pop(key, None)
         if entry is not None:
-            await self.engine.unpin_prefix(entry.record.token_ids, salt_of(entry.record))
+            await self.engine.unpin_prefix(entry.record.token_ids, salt_of(entry.record), forget=forget)
 
     # -- API operations -----------------------------------------------------------------------
     async def register(self, name: str, token_ids: list[int], source: dict[str, Any], description: str | None,
@@ -298,7 +304,7 @@ class PrefixRegistry:
         async with self.lock:
             deleted = await self.store.delete(self.fingerprint, key, origin=self.replica_id)
             present = key in self.local
-            await self.unpin_local(key)
+            await self.unpin_local(key, forget=True)
         if not deleted and not present:
             raise _not_found(name, "name")
 

@@ -5,4 +5,5 @@
     events.py           vLLM-format KV cache events: the pool's sink and the wire encoding
     event_publisher.py  the ZMQ publisher thread (PUB + replay ROUTER)
     backends/           the memory itself: a registry of KV backends (paged, vattention)
+    tier/               the KV tier below the cache: evicted and pinned blocks on disk, loaded back verified
 """

@@ -15,6 +15,9 @@ Invariants
   it, in order: `stored` where a block is given its hash, `removed` where a hash is dropped (eviction,
   prefix-cache reset), `cleared` when a reset leaves no hash at all. The pool only calls the sink; what
   it does with the records (vLLM-format KV events, engine/kv/events.py) is not the pool's business.
+- Spill: when a `Spill` sink is given (the KV tier, engine/kv/tier/), `allocate` shows it every cached block
+  it evicts, before the hash is dropped and while the block's memory still holds that content (it is
+  overwritten only by the next forward pass, or by the tier's own install).
 """
 from __future__ import annotations
 
@@ -42,6 +45,13 @@ class BlockEvents(Protocol):
     def removed(self, block_hash: BlockHash) -> None: ...
 
     def cleared(self) -> None: ...
+
+
+class Spill(Protocol):
+    """Told of each cached block `allocate` evicts, before its hash is dropped (engine thread; O(1): it
+    records, the bytes are copied before anything writes into the block)."""
+
+    def evicted(self, block: Block) -> None: ...
 
 
 def root_hash(fingerprint: str) -> BlockHash:
@@ -75,13 +85,14 @@ def hash_blocks(fingerprint: str, token_ids: Sequence[int], block_size: int,
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "pin_count", "block_hash", "token_ids", "prev", "next")
+    __slots__ = ("block_id", "ref_count", "pin_count", "block_hash", "parent", "token_ids", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.pin_count = 0
         self.block_hash: BlockHash | None = None
+        self.parent: BlockHash | None = None    # the previous block's hash (None: a first block), with the hash
         self.token_ids: tuple[int, ...] = ()    # kept for full blocks, to confirm a hash hit
         self.prev: Block | None = None
         self.next: Block | None = None
@@ -163,7 +174,7 @@ class PoolStats:
 
 class BlockPool:
     def __init__(self, num_blocks: int, max_pinned_blocks: int | None = None,
-                 events: BlockEvents | None = None) -> None:
+                 events: BlockEvents | None = None, spill: Spill | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -172,6 +183,7 @@ class BlockPool:
         self.max_pinned_blocks = num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
         self.num_pinned = 0
         self.events = events
+        self.spill = spill
 
     @property
     def num_blocks_total(self) -> int:
@@ -201,6 +213,8 @@ class BlockPool:
             if block is None:
                 block = self.free_queue.popleft()
             if block.block_hash is not None:
+                if self.spill is not None and self.cached.get(block.block_hash) is block:
+                    self.spill.evicted(block)
                 dropped = self._drop_hash(block)
                 if dropped is not None and self.events is not None:
                     self.events.removed(dropped)
@@ -215,7 +229,7 @@ class BlockPool:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
             dropped = block.block_hash
-        block.block_hash, block.token_ids = None, ()
+        block.block_hash, block.parent, block.token_ids = None, None, ()
         return dropped
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -255,7 +269,7 @@ class BlockPool:
         one stays private. True when this block became the cached copy (a cache write)."""
         if block.block_hash is not None or block_hash in self.cached:
             return False
-        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        block.block_hash, block.parent, block.token_ids = block_hash, parent, tuple(token_ids)
         self.cached[block_hash] = block
         if self.events is not None:
             self.events.stored(block_hash, parent, block.token_ids)
@@ -280,6 +294,21 @@ class BlockPool:
             else:
                 self.events.cleared()
         return len(victims)
+
+    def forget(self, blocks: Iterable[Block]) -> int:
+        """Drops the hash of each of `blocks` that is evictable (a deleted prefix's: what is referenced or pinned
+        keeps it), as `reset_prefix_cache` does for all; returns how many were dropped."""
+        dropped = 0
+        for block in blocks:
+            if block.block_hash is None or not block.evictable:
+                continue
+            self.free_queue.remove(block)
+            h = self._drop_hash(block)
+            self.free_queue.appendleft(block)
+            dropped += 1
+            if h is not None and self.events is not None:
+                self.events.removed(h)
+        return dropped
 
     # -- pinning ------------------------------------------------------------------------------
     def pin(self, blocks: Sequence[Block]) -> None:

@@ -112,6 +112,8 @@ class PinStateMachine:
 
     def _pin(self, job: PinJob, blocks: list[Block]) -> None:
         self.core.pool.pin(blocks)
+        if self.core.tier is not None:
+            self.core.tier.persist(blocks)      # a restart (or another replica) restores it from there
         job.state = PinState.PINNED
         job.result = PinnedPrefix(len(job.token_ids), len(blocks), [h.hex() for h in job.hashes])
 
@@ -127,10 +129,17 @@ class PinStateMachine:
             blocks = self.core.manager.cached_blocks(job.token_ids, job.hashes)
             self.core.pool.unpin(blocks)        # type: ignore[arg-type]
 
-    def unpin(self, token_ids: list[int], salt: CacheSalt = ()) -> int:
-        """Drops one pin from each full block of a prefix pinned before; 0 (nothing done) if it is not."""
+    def unpin(self, token_ids: list[int], salt: CacheSalt = (), forget: bool = False) -> int:
+        """Drops one pin from each full block of a prefix pinned before; 0 (nothing done) if it is not.
+        `forget` (a deleted prefix): the blocks no other pin holds leave the KV tier, and the cache too where
+        no request uses them, so that a deleted prompt does not stay on disk."""
         blocks = self.core.manager.cached_blocks(token_ids, salt=salt)
         if any(b is None or b.pin_count == 0 for b in blocks):
             return 0
         self.core.pool.unpin(blocks)            # type: ignore[arg-type]
+        tier = self.core.tier
+        if forget and tier is not None:
+            loose = [b for b in blocks if b is not None and b.pin_count == 0]
+            tier.discard([b.block_hash for b in loose if b.block_hash is not None])
+            self.core.pool.forget(loose)
         return len(blocks)

@@ -7,7 +7,9 @@ Each step, in this order, under the budgets `max_num_seqs` and `max_num_batched_
      when blocks are short; with no block at all, the youngest running sequence is preempted);
   3. waiting sequences, first come first served: their prompt is looked up in the prefix cache and
      only the rest is scheduled (a chunk of it if the budget is short); one whose next prompt block
-     another running sequence is computing waits for it (in-flight dedupe) and lets the next ones go.
+     another running sequence is computing waits for it (in-flight dedupe) and lets the next ones go;
+     so does one whose next blocks the KV tier holds (engine/kv/tier/): it waits while they load, and
+     the loaded blocks become cached blocks it hits, installed at the start of this phase.
 A sequence samples a token in a step iff that step's chunk reaches its last token.
 
 Beam groups move as a unit: a beam search steps only once every live beam has its logits, so a beam left
@@ -20,9 +22,13 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv.block_manager import BlockManager, PrefixHit
 from engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from engine.kv.tier.tier import KVTier
 
 
 @dataclass
@@ -45,8 +51,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 tier: KVTier | None = None) -> None:
         self.manager = manager
+        self.tier = tier
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -126,13 +134,15 @@ class Scheduler:
         #    waits for that block instead of computing it again, and the ones behind it go first. Not in a
         #    step that had to preempt: memory is short, admitting more would only thrash.
         deferred: list[Sequence] = []
+        if self.tier is not None and self.waiting:
+            self.tier.install_finished(self.manager.pool, keep_free=self.watermark)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             unit = self._unit(seq)
             if len(self.running) + len(unit) > self.max_num_seqs:
                 break
             hit = self._lookup(seq)
-            if len(unit) == 1 and self._waits_for_inflight(seq, hit):
+            if len(unit) == 1 and (self._waits_for_tier(seq, hit) or self._waits_for_inflight(seq, hit)):
                 deferred.append(self.waiting.popleft())
                 continue
             admitted: list[Sequence] = []
@@ -192,6 +202,7 @@ class Scheduler:
                                           seq.params.cache_salt):
             return None
         self.waiting.remove(seq)
+        seq.tier_checked = False                   # asked again if it is ever preempted
         seq.num_computed = hit.num_tokens
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = hit.num_tokens
@@ -221,6 +232,22 @@ class Scheduler:
         (entry,) = [s for s in out.scheduled if s.seq is seq]
         out.scheduled.remove(entry)
         return entry.num_new
+
+    def _waits_for_tier(self, seq: Sequence, hit: PrefixHit) -> bool:
+        """Its next prompt blocks are in the KV tier: it waits while they load (asked once per admission; a load
+        that takes longer than the tier's timeout is given up, and it computes them)."""
+        tier = self.tier
+        if tier is None or seq.tier_checked or not self.manager.enable_prefix_caching \
+                or seq.params.prompt_logprobs is not None:
+            return False
+        if seq.tier_load is None:
+            first, limit = len(hit.blocks), (seq.num_tokens - 1) // self.manager.block_size
+            seq.tier_load = tier.request(seq.block_hashes, seq.token_ids, first, limit, hit.blocks) \
+                if first < limit else None
+        if seq.tier_load is not None and not seq.tier_load.installed and not tier.waiting_too_long(seq.tier_load):
+            return True
+        seq.tier_load, seq.tier_checked = None, True
+        return False
 
     def _waits_for_inflight(self, seq: Sequence, hit: PrefixHit) -> bool:
         """Its next prompt block is being computed by another running sequence (in-flight dedupe). It never

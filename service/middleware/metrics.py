@@ -31,10 +31,13 @@ concept, so an existing vLLM dashboard reads them. Every `vllm:` series has the 
 | prefixserve_grammar_cache_{entries,bytes}             | gauge     | compiled grammars kept, their size     |
 | prefixserve_<kv backend>_<name>                        | either    | the KV backend's own figures (*3)      |
 | prefixserve_kernels_info{op,implementation,cpu_variant,batch_invariant} | info | the kernels each op runs (1) |
+| prefixserve_kv_tier_<name>                             | either    | the KV tier's figures (*4)             |
 
 (*3) Whatever `KVStore.stats` returns, exported as the backend declares it (gauge or counter, with its
 help text): nothing here names a backend. The paged backend reports none; engine/kv/backends/ has the
 others' lists.
+(*4) Only with a KV tier (--kv-tier-dir / --kv-tier-shared-dir): KVTier.stats (engine/kv/tier/tier.py) lists
+them: hit and miss blocks, loads and their seconds, bytes read and written, faults by kind, bytes on disk.
 (**) Used: referenced by a request or pinned; free blocks that still cache a prefix count as free,
 as in vLLM. (*) The engine timestamps a request's first and last token, not each one: every gap of a request
 is counted as its mean decode gap. Sum and count are exact (total decode time, number of gaps); the
@@ -166,6 +169,9 @@ class _StateCollector(Collector):
         for key, stat in s.kv_backend_stats.items():      # whatever the KV backend reports, by its name
             family = GaugeMetricFamily if stat.kind == "gauge" else CounterMetricFamily
             yield family(f"prefixserve_{s.kv_backend}_{key}", stat.doc, value=stat.value)
+        for key, stat in s.kv_tier_stats.items():         # the KV tier's, when there is one
+            family = GaugeMetricFamily if stat.kind == "gauge" else CounterMetricFamily
+            yield family(f"prefixserve_kv_tier_{key}", stat.doc, value=stat.value)
         hits = CounterMetricFamily("prefixserve_prefix_hit_requests", "Requests naming a registered prefix "
                                    "that hit its cached blocks, by prefix", labels=["prefix"])
         saved = CounterMetricFamily("prefixserve_prefix_tokens_saved", "Prompt tokens served from a named "

@@ -108,6 +108,15 @@ class KVStore(Protocol):
         """Copy whole blocks src -> dst (copy-on-write of a shared partial block)."""
         ...
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the blocks' K and V on the host, in the tier's layout (BLOCK_LAYOUT), one row per block:
+        [n, 2, num_layers, block_size, num_kv_heads, head_dim]."""
+        ...
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """The inverse of `read_blocks`: block_ids[i] gets data[i] (a block loaded from the KV tier)."""
+        ...
+
     def stats(self, blocks_of: Callable[[int], int]) -> dict[str, KVStat]:
         """The backend's own figures (`blocks_of(seq_id)`: blocks a sequence holds); {} if none."""
         ...
@@ -125,6 +134,24 @@ class KVBackend:
     create: Callable[[CacheSpec], KVStore]                        # the cache factory
     attention: Callable[[str, Ops], Attention]                    # kernel family ("cpu", "triton") -> attention
     block_size: Callable[[ModelArgs, torch.dtype, int], int]      # the block size it can serve for one asked
+
+
+BLOCK_LAYOUT = "[2, layers, block_size, kv_heads, head_dim]"    # one block's K|V as read_blocks returns it
+
+
+def read_layer_major(key: torch.Tensor, value: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """read_blocks over K and V seen as [num_layers, num_blocks, block_size, Hkv, D] (both backends can be)."""
+    out = torch.empty((len(block_ids), 2, *key[:, 0].shape), dtype=key.dtype)
+    for i, b in enumerate(block_ids):
+        out[i, 0].copy_(key[:, b])
+        out[i, 1].copy_(value[:, b])
+    return out
+
+
+def write_layer_major(key: torch.Tensor, value: torch.Tensor, block_ids: list[int], data: torch.Tensor) -> None:
+    for i, b in enumerate(block_ids):
+        key[:, b].copy_(data[i, 0])
+        value[:, b].copy_(data[i, 1])
 
 
 def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:

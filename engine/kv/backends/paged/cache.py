@@ -6,7 +6,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.kv.backends.base import Addressing, CacheSpec, KVStat, StepTables
+from engine.kv.backends.base import Addressing, CacheSpec, KVStat, StepTables, read_layer_major, write_layer_major
 from engine.kv.block_manager import Placement
 from kernels import AttentionBackend
 
@@ -46,6 +46,12 @@ class PagedKVCache:
         src = torch.tensor([p[0] for p in pairs], device=self.key.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.key.device)
         self.attention.copy_blocks(list(self.key.unbind(0)), list(self.value.unbind(0)), src, dst)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return read_layer_major(self.key, self.value, block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        write_layer_major(self.key, self.value, block_ids, data)
 
     def stats(self, blocks_of: Callable[[int], int]) -> dict[str, KVStat]:
         return {}             # the block pool's figures (EngineStats) say all there is

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from engine.errors import EngineDead, KVRefused
-from engine.kv.backends.base import Addressing, KVStat, StepTables
+from engine.kv.backends.base import Addressing, KVStat, StepTables, read_layer_major, write_layer_major
 from engine.kv.backends.vattention.reservation import Reservation
 from engine.kv.backends.vattention.slots import SlotTable, runs_of
 from engine.kv.backends.vattention.vmm import OS_PAGE_BYTES, HostVirtualMemory, ReservationDamaged, map_areas_left
@@ -297,6 +297,13 @@ class VAttentionCache:
         """Copy-on-write: whole physical pages (every layer's K and V) src -> dst."""
         if pairs:
             self.pages[torch.tensor([d for _, d in pairs])] = self.pages[torch.tensor([s for s, _ in pairs])]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """From the physical pages (through their layer-major view): a block need not be mapped anywhere."""
+        return read_layer_major(self.key, self.value, block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        write_layer_major(self.key, self.value, block_ids, data)
 
     def stats(self, blocks_of: Callable[[int], int]) -> dict[str, KVStat]:
         live = sum(blocks_of(seq_id) for seq_id in self.slots.slot_of)
