@@ -5,7 +5,7 @@ never asks which device it is on or whether a kernel is available.
     op                      implementations (the first that applies)
     rms_norm, add_rms_norm  C++ (kernels/cpu/fused.cpp) for the mixed-precision path; torch
     qkv_rope, silu_mul      C++ for the mixed-precision path; torch
-    linear                  quantized weights: torch's int4 / int8 kernel or the bfloat16 GEMM (oneDNN), by the
+    linear                  quantized weights: torch's int4 / int8 kernel or the dense GEMM (oneDNN), by the
                             step's shape; plain weights: torch's linear
     logits                  a quantized head: coarse logits, then the top ones exact (C++ top-k and refine, or
                             torch); a plain head: torch's linear
@@ -120,8 +120,9 @@ class Ops:
         if on_cpu:
             ops["quantized gemm"] = ("int4 / int8 kernel at every row count (batch-invariant)"
                                      if config.batch_invariant else
-                                     f"int4 / int8 kernel below {qg.DENSE_FROM_ROWS} decode rows, else bfloat16 "
-                                     f"({'oneDNN' if qg.onednn_bf16() else 'torch linear'})")
+                                     f"int4 / int8 kernel below {qg.DENSE_FROM_ROWS} decode rows, else "
+                                     f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} "
+                                     f"({'oneDNN' if qg.ONEDNN else 'torch linear'})")
         self.report = KernelReport(str(self.device), self.cpu.variant if self.cpu is not None else None, reason, ops,
                                    config.batch_invariant)
 
@@ -192,9 +193,9 @@ class Ops:
     # -- GEMMs ------------------------------------------------------------------------------------------------------
     def linear(self, layer: Any, x: torch.Tensor, prefill: bool) -> torch.Tensor:
         """A projection: an nn.Linear, or a quantized layer (engine/models/quant.py: `kind` "int4" with `packed`
-        and `scale_zero`, or "int8" with `weight_q` and `scale`; `dense`, the bfloat16 weight as
-        quant_gemm.pack_dense made it, empty if never read; `bias`), bfloat16 in and out. A quantized layer takes
-        the bfloat16 GEMM for a step with a prefill chunk or of DENSE_FROM_ROWS rows and more, its int4 / int8
+        and `scale_zero`, or "int8" with `weight_q` and `scale`; `dense`, the weight as quant_gemm.pack_dense
+        made it (bfloat16, or float32 where oneDNN has no bfloat16 GEMM), empty if never read; `bias`), bfloat16
+        in and out. A quantized layer takes the dense GEMM for a step with a prefill chunk or of DENSE_FROM_ROWS rows and more, its int4 / int8
         kernel otherwise; in the batch-invariant mode, its int4 / int8 kernel always.
 
         NOTE: why per step and not per row count alone: a prompt's tokens must go through the same kernel

@@ -5,9 +5,13 @@ quantized modules (engine/models/quant.py) hold the packed weights.
     int4   4-bit weights, a scale and a zero per group of 32 (`_weight_int4pack_mm_for_cpu`, tinygemm's
            convention: w = (q - 8) * scale + zero), bfloat16 activations in and out
     int8   int8 weights, one scale per output row (`_weight_int8pack_mm`), bfloat16 in and out
-    dense  the same weight in bfloat16, reordered once into oneDNN's blocked layout where oneDNN has a bf16
-           GEMM here (what inductor's freezing does for CPU linears: measured 15.5 / 44.7 ms a step at 16 / 64
-           rows against 29.7 / 58.3 for F.linear, which reorders the weight every call; equal results)
+    dense  the same weight for the GEMM a wide step runs, reordered once into oneDNN's blocked layout (what
+           inductor's freezing does for CPU linears: on AVX-512 BF16, measured 15.5 / 44.7 ms a step at 16 / 64
+           rows against 29.7 / 58.3 for F.linear, which reorders the weight every call; equal results):
+           in bfloat16 where oneDNN has a bfloat16 GEMM (AVX-512 BF16, AMX); in float32 elsewhere (AVX2,
+           AVX-512 without BF16), where a bfloat16 GEMM is emulated: measured on an AVX2 Zen 3, SmolLM2's four
+           projections of a layer at 64 / 256 / 1,024 rows took 23.9 / 92.0 / 366.6 ms through torch's
+           bfloat16 linear against 3.6 / 12.1 / 45.7 ms in float32 through oneDNN (`DENSE_DTYPE`)
     Int8ActHead   int8 weights x int8 activations (oneDNN's VNNI kernel), for a wide step's output projection
 
 The CPU's int4 and int8 kernels read each weight row once per input row (a matrix-vector product a row), so
@@ -20,12 +24,17 @@ import torch
 
 GROUP = 32                       # the int4 group along the input dimension (GGUF's block size)
 ACT = torch.bfloat16             # the activations' dtype in and out of every quantized GEMM
-DENSE_FROM_ROWS = 10             # steps of this many rows or more use the bfloat16 weight (by default)
 
-
-# oneDNN has a bfloat16 GEMM on this CPU (AVX-512 BF16 / AMX; AVX2 CPUs get F.linear). A constant, read by
-# the compiled decode graph too.
-ONEDNN_BF16 = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+# oneDNN has a bfloat16 GEMM on this CPU (AVX-512 BF16 / AMX); elsewhere the wide path computes in float32.
+# Constants, read by the compiled decode graph too.
+ONEDNN = torch.backends.mkldnn.is_available()
+ONEDNN_BF16 = ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+DENSE_DTYPE = torch.bfloat16 if ONEDNN_BF16 else torch.float32
+# Steps of this many rows or more use the dense weight (by default): where the int4 kernel (a matrix-vector
+# product a row) and the dense GEMM cost the same over SmolLM2's 120 projections, weights cold. AVX-512 BF16
+# (Zen 4): int4 18.9 / 24.7 ms at 10 / 16 rows against bfloat16's 17.7 / 21.1 ms. AVX2 (Zen 3), float32: int4
+# 22.5 / 43.4 / 85.3 ms at 8 / 16 / 32 rows against 31.8 / 43.4 / 68.5 ms.
+DENSE_FROM_ROWS = 10 if ONEDNN_BF16 else 16
 
 
 def onednn_bf16() -> bool:
@@ -46,9 +55,9 @@ def int4_fits(w: torch.Tensor) -> bool:
 
 
 def pack_dense(w: torch.Tensor) -> torch.Tensor:
-    """A [out, in] weight as the bfloat16 GEMM reads it (oneDNN's layout where available)."""
-    w = w.to(ACT).contiguous()
-    return torch.ops.mkldnn._reorder_linear_weight(w, 64) if ONEDNN_BF16 else w
+    """A [out, in] weight as the dense GEMM reads it: DENSE_DTYPE, oneDNN's layout where oneDNN is there."""
+    w = w.to(DENSE_DTYPE).contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(w, 64) if ONEDNN else w
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
@@ -62,18 +71,21 @@ def int8_mm(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor) -> tor
 
 
 def dense_mm(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] bfloat16 @ W^T (+ b), W as `pack_dense` made it -> [T, out] bfloat16."""
-    b = None if bias is None else bias.to(ACT)
-    if ONEDNN_BF16:
-        return torch.ops.mkldnn._linear_pointwise(x, dense, b, "none", [], "")
-    return torch.nn.functional.linear(x, dense, b)
+    """x [T, in] bfloat16 @ W^T (+ b), W as `pack_dense` made it -> [T, out] bfloat16 (computed in W's dtype:
+    a float32 W takes x exactly and rounds the product once)."""
+    xw = x.to(dense.dtype)
+    b = None if bias is None else bias.to(dense.dtype)
+    y = torch.ops.mkldnn._linear_pointwise(xw, dense, b, "none", [], "") if ONEDNN else \
+        torch.nn.functional.linear(xw, dense, b)
+    return y.to(ACT)
 
 
 class Int8ActHead:
     """The output projection of a wide step as an int8 x int8 product on oneDNN's VNNI kernel: int8 weights
     with one scale per vocabulary row, the step's activations as int8 with one scale per row (applied to the
     output row: oneDNN takes one activation scale a call). Twice the bfloat16 GEMM's rate on an AVX-512 CPU
-    (measured 5.1 against 9.5 ms for SmolLM2's 49,152 x 576 head at 64 rows); its logits are off by up to a
+    (measured 5.1 against 9.5 ms for SmolLM2's 49,152 x 576 head at 64 rows), 1.3x the float32 GEMM's on an
+    AVX2 one (20.8 against 27.1 ms at 64 rows; 12.0 against 9.4 ms at 10); its logits are off by up to a
     few units, which is why the quantized head recomputes the top ones exactly. `make` gives None where
     oneDNN's quantized linear is missing or fails here."""
 
@@ -85,7 +97,7 @@ class Int8ActHead:
 
     @classmethod
     def make(cls, weight: torch.Tensor) -> Int8ActHead | None:
-        if weight.device.type != "cpu" or not ONEDNN_BF16 or not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        if weight.device.type != "cpu" or not ONEDNN or not hasattr(torch.ops.onednn, "qlinear_pointwise"):
             return None
         try:
             head = cls(weight)
@@ -105,5 +117,5 @@ class Int8ActHead:
         return y.mul_(s)
 
 
-__all__ = ["ACT", "DENSE_FROM_ROWS", "GROUP", "Int8ActHead", "dense_mm", "int4_fits", "int4_mm", "int8_mm",
+__all__ = ["ACT", "DENSE_DTYPE", "DENSE_FROM_ROWS", "GROUP", "Int8ActHead", "dense_mm", "int4_fits", "int4_mm", "int8_mm",
            "onednn_bf16", "pack_dense", "pack_int4"]

@@ -10,17 +10,19 @@
 
 This module holds the weights; the op layer (kernels/ops.py, `Ops.linear` and `Ops.logits`) runs them, and it
 decides the kernel by the step: a step with a prefill chunk, or of `DENSE_FROM_ROWS` rows or more, takes the
-bfloat16 GEMM (`Ops.linear` says why prefill always does); in the batch-invariant mode every step takes the
+dense GEMM (`Ops.linear` says why prefill always does); in the batch-invariant mode every step takes the
 quantized kernel. The CPU's int4 and int8
 kernels read each weight row once per input row (a matrix-vector product per row), so they win while a
-step has a few rows (decode of a few sequences: memory-bound, half or a quarter of bf16's bytes) and
-lose to a bfloat16 GEMM (oneDNN, AVX-512 BF16) once a step has many (prefill chunks, wide decode batches:
-compute-bound). Measured on this 2-core CPU over the 120 projections of SmolLM2 with weights cold in
-memory, per step, casts included: int4 4.95 / 8.1 / 13.7 / 18.9 / 24.7 / 87 ms at 1 / 4 / 8 / 10 / 16 / 64
+step has a few rows (decode of a few sequences: memory-bound, a fraction of the dense weight's bytes) and
+lose to a dense GEMM through oneDNN once a step has many (prefill chunks, wide decode batches:
+compute-bound). Measured on a 2-core AVX-512 BF16 CPU over the 120 projections of SmolLM2 with weights cold
+in memory, per step, casts included: int4 4.95 / 8.1 / 13.7 / 18.9 / 24.7 / 87 ms at 1 / 4 / 8 / 10 / 16 / 64
 rows against bfloat16's 11.5 / 14.5 / 16.0 / 17.7 / 21.1 / 44.7 ms (the crossover moves by a row or two
-from run to run). Every quantized layer therefore also keeps its weight in bfloat16 (2 bytes a
-parameter: 212 MB for SmolLM2's layers), reordered once into oneDNN's blocked layout; the head keeps an
-int8 copy instead (28 MB, Int8ActHead), or a bfloat16 one (56 MB) where oneDNN's int8 kernel is missing.
+from run to run); on an AVX2 CPU, whose bfloat16 GEMM is emulated (8x slower than float32), the dense GEMM
+is float32 and the crossover 16 rows (kernels/quant_gemm.py, DENSE_DTYPE and DENSE_FROM_ROWS). Every
+quantized layer therefore also keeps its weight dense (bfloat16, 2 bytes a parameter: 212 MB for SmolLM2's
+layers; float32 on AVX2, 424 MB), reordered once into oneDNN's blocked layout; the head keeps an int8 copy
+instead (28 MB, Int8ActHead), or a dense one where oneDNN's int8 kernel is missing.
 (8-bit activations would be twice as fast again on VNNI, but cost too much accuracy on this model:
 measured 13-17 of 20 first tokens equal to float32's, against int4's 20.)
 
@@ -117,7 +119,7 @@ class QuantLogits(nn.Module):
         steps of fewer than DENSE_FROM_ROWS rows   the quantized rows (int4 or int8, as the layers); top 64
         wider steps                                int8 weights x int8 activations (kernels/quant_gemm.py
                                                    Int8ActHead); top 32 (without oneDNN's int8 kernel: the
-                                                   bfloat16 GEMM; top 16)
+                                                   dense GEMM; top 16)
         the batch-invariant mode                   the quantized rows at every row count; top 64
 
     NOTE: why. The quantized kernels return bfloat16, whose step at a logit of 16 is 0.125, and 4-bit
@@ -143,7 +145,7 @@ class QuantLogits(nn.Module):
         self.weight = weight                        # float, [vocab, hidden]; shared with the embedding if tied
         self.refine = min(refine, weight.shape[0])
         self.wide = self.ops.wide_head(weight)
-        if self.wide is not None:                   # the bfloat16 copy only the wide path read
+        if self.wide is not None:                   # the dense copy only the wide path read
             self.coarse.register_buffer("dense", torch.empty(0, dtype=ACT))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

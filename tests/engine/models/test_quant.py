@@ -10,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.models.quant import DENSE_FROM_ROWS, GROUP, Int4Linear, Int8Linear, QuantLogits, gguf_q4
+from kernels import quant_gemm as qg
 
 # bfloat16 activations (8 mantissa bits: 2^-9 relative per element) through a dot product of a few
 # hundred terms: the output's relative error is a few 1e-3 (measured 3.4e-3 on SmolLM2's projections).
@@ -110,8 +111,9 @@ def test_quantization_is_refused_where_it_cannot_run(tiny_llama_dir: Path) -> No
         LLM(str(tiny_llama_dir), quantization="int3", num_kv_blocks=8)
 
 
-def test_wide_steps_take_the_bfloat16_gemm() -> None:
-    """From DENSE_FROM_ROWS rows a quantized layer multiplies by a bfloat16 weight (oneDNN's layout); below,
+def test_wide_steps_take_the_dense_gemm() -> None:
+    """From DENSE_FROM_ROWS rows a quantized layer multiplies by a dense weight (oneDNN's layout): bfloat16 where
+    oneDNN has a bfloat16 GEMM, float32 elsewhere (an AVX2 CPU emulates bfloat16 products, 8x slower); below,
     by the quantized kernel. Int8 and GGUF Q4 layers keep their own values for it (the rows of a wide step
     equal the same rows sent a few at a time, up to bfloat16 rounding); a layer quantized here from a
     float weight (from_float: K-quants, the output layer) keeps that float weight, the better of the two."""
@@ -120,6 +122,7 @@ def test_wide_steps_take_the_bfloat16_gemm() -> None:
     x = torch.randn(DENSE_FROM_ROWS + 3, 128)
     ref = x @ w.T + b
     for lin, tol in ((Int8Linear(w, b), 2e-2), (Int4Linear.from_float(w, b), 0.1)):
+        assert lin.dense.dtype == (torch.bfloat16 if qg.ONEDNN_BF16 else torch.float32)
         wide = lin(x)
         narrow = torch.cat([lin(x[i:i + 2]) for i in range(0, x.shape[0], 2)])
         assert wide.shape == narrow.shape == (x.shape[0], 96) and wide.dtype == torch.float32
