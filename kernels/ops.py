@@ -195,7 +195,8 @@ class Ops:
         """A projection: an nn.Linear, or a quantized layer (engine/models/quant.py: `kind` "int4" with `packed`
         and `scale_zero`, or "int8" with `weight_q` and `scale`; `dense`, the weight as quant_gemm.pack_dense
         made it (bfloat16, or float32 where oneDNN has no bfloat16 GEMM), empty if never read; `bias`), bfloat16
-        in and out. A quantized layer takes the dense GEMM for a step with a prefill chunk or of DENSE_FROM_ROWS rows and more, its int4 / int8
+        in and out. A quantized layer takes the dense GEMM for a step with a prefill chunk or of DENSE_FROM_ROWS
+        rows and more, its int4 / int8
         kernel otherwise; in the batch-invariant mode, its int4 / int8 kernel always.
 
         NOTE: why per step and not per row count alone: a prompt's tokens must go through the same kernel

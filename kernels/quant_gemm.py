@@ -117,5 +117,5 @@ class Int8ActHead:
         return y.mul_(s)
 
 
-__all__ = ["ACT", "DENSE_DTYPE", "DENSE_FROM_ROWS", "GROUP", "Int8ActHead", "dense_mm", "int4_fits", "int4_mm", "int8_mm",
-           "onednn_bf16", "pack_dense", "pack_int4"]
+__all__ = ["ACT", "DENSE_DTYPE", "DENSE_FROM_ROWS", "GROUP", "Int8ActHead", "dense_mm", "int4_fits", "int4_mm",
+           "int8_mm", "onednn_bf16", "pack_dense", "pack_int4"]
