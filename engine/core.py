@@ -231,7 +231,7 @@ class EngineCore:
         seq.block_hashes = hashes
         group = SequenceGroup(request, seq, RequestTimes(arrival=request.arrival))
         group.grammar = grammar
-        if request.params.use_beam_search:
+        if request.params.use_beam_search and request.max_tokens > 0:     # nothing to search with max_tokens 0
             self.forks.start_beam_search(group, self.eos_token_ids)
         self.requests[rid] = group
         self.scheduler.add(seq)
@@ -319,7 +319,9 @@ class EngineCore:
             seq, group = s.seq, s.seq.group
             assert group is not None
             out.touch(group)
-            if seq.max_tokens == 0:                      # prefill only (a prefix being pinned)
+            if seq.max_tokens == 0:      # prefill only (a prefix being pinned, a prompt scored or cached)
+                if group.best_of > 1 and not group.forked:
+                    self.forks.end_unsampled(group, seq)
                 self.finish_seq(seq, "length")
             elif group.beam is not None:
                 seq.pending_logprobs = torch.log_softmax(logits[i].float(), dim=-1)
