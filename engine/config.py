@@ -66,9 +66,11 @@ class EngineConfig:
                                            "process may use, affinity and cgroup quota; offline LLM(): torch's)")
     chat_template: str | None = knob(None, "a Jinja chat template (a file, or the template itself) replacing "
                                            "the checkpoint's")
-    grammar_compile_timeout: float = knob(10.0, "seconds a structured-output grammar (json_schema, regex, choice) may "
-                                                "take to compile; a slower one is refused (HTTP 400) and its compile "
-                                                "killed, as is the compile of a client that went away")
+    grammar_compile_timeout: float = knob(10.0, "seconds of CPU time a structured-output grammar (json_schema, "
+                                                "regex, choice) may take to compile; a slower one is refused (HTTP "
+                                                "400) and its compile killed, as is the compile of a client that went "
+                                                "away (on a machine too busy to give it that, after 6x as long in "
+                                                "wall-clock time, saying so)")
     grammar_compile_workers: int = knob(2, "structured-output grammars compiled at once (each in a child process of "
                                            "its own, then in this one); the rest wait their turn")
     grammar_cache_size: int = knob(64, "compiled grammars kept for reuse (least recently used dropped first)")
