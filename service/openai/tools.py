@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from json.decoder import scanstring
 from typing import Any
 
 from service.openai.schema import Tool
@@ -88,6 +88,8 @@ class Deep(str):
     RecursionError; a forced call's arguments may nest that deep: issue 34, item 10)."""
 
 
+# json's own string scanner (the C one): not in typeshed's stubs, part of the module since Python 2.6
+scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
 _SCALAR = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|true|false|null")
 _CLOSES = {"]": "[", "}": "{"}
 
