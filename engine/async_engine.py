@@ -1,6 +1,6 @@
 """AsyncEngine: the asyncio face of the engine, and the service's whole view of it.
 
-    add, generate, abort                        requests and their streams (RequestStream); a request
+    add, generate, abort, abort_all             requests and their streams (RequestStream); a request
                                                 with structured output is admitted once its grammar
                                                 compiled, on a grammar thread of its own
     pin_prefix, unpin_prefix                    named prefixes: compute and pin, unpin
@@ -205,6 +205,7 @@ class AsyncEngine:
         self._loop_thread = 0
         self._arriving = 0          # requests on their way in (`arriving`): loop thread only
         self._task: asyncio.Task[None] | None = None
+        self._closing = False       # abort_all was called (shutdown): new requests are refused
         self._stats = self._engine.stats()
         self.dead: BaseException | None = None
 
@@ -245,6 +246,8 @@ class AsyncEngine:
         that depend on the cache arrive through the stream."""
         if not self.is_running:
             raise EngineDead("the engine is not running")
+        if self._closing:
+            raise EngineDead("the engine is shutting down")
         public = request_id or uuid.uuid4().hex
         if public in self._ids:
             raise InvalidRequest(f"request id {public!r} is already in use", param="id")
@@ -324,6 +327,21 @@ class AsyncEngine:
         """Idempotent; the request's blocks are freed at the start of the next step, its grammar's compile
         (when it is still compiling) is stopped. Any thread."""
         self._stop(self._ids.get(request_id, request_id))
+
+    @property
+    def num_requests(self) -> int:
+        """Requests submitted and not yet ended (compiling their grammar, waiting or running). Loop thread."""
+        return len(self._streams)
+
+    def abort_all(self) -> int:
+        """Shutdown: ends every request now, each with its last output on its stream (every unfinished sequence
+        with finish_reason "abort", as `abort` does), and refuses new ones from here on (EngineDead). A request
+        still compiling its grammar fails instead. Returns how many it ended. Loop thread."""
+        self._closing = True
+        rids = list(self._streams)
+        for rid in rids:
+            self._stop(rid)
+        return len(rids)
 
     def _abort_life(self, rid: str) -> None:
         """Loop side: aborts the request of engine id `rid`; until the engine thread applied it, a new request

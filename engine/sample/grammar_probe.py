@@ -244,6 +244,9 @@ def _read_all(fd: int) -> bytes:
 
 
 def main(fd: int) -> None:
+    # Ctrl-C reaches the whole foreground process group, this helper too: the server shuts down on it, and this
+    # helper ends when the server closes its socket (a KeyboardInterrupt here only printed a traceback)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     info_json = conn.recv()
     import xgrammar as xgr
