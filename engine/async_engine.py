@@ -240,10 +240,11 @@ class AsyncEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-            stream: RequestStream | None = None) -> RequestStream:
+            stream: RequestStream | None = None, tenant: str = "") -> RequestStream:
         """Submits a request; its outputs arrive on `stream` (a new one unless given, so several requests
-        can share one). Raises InvalidRequest (checks on fixed inputs) or EngineDead at once; refusals
-        that depend on the cache arrive through the stream."""
+        can share one). `tenant`: whose it is, an opaque key the scheduler shares its turns between (and the
+        waiting queue's cap applies to). Raises InvalidRequest (checks on fixed inputs) or EngineDead at once;
+        refusals that depend on the cache arrive through the stream."""
         if not self.is_running:
             raise EngineDead("the engine is not running")
         if self._closing:
@@ -254,7 +255,7 @@ class AsyncEngine:
         rid = public
         while rid in self._retiring or rid in self._streams:
             rid = f"{public}#{uuid.uuid4().hex[:8]}"
-        request = self._core.make_request(rid, prompt_token_ids, params)
+        request = self._core.make_request(rid, prompt_token_ids, params, tenant)
         stream = stream or RequestStream(self)
         stream._submitted(rid, public)
         self._streams[rid] = stream
@@ -313,9 +314,9 @@ class AsyncEngine:
                      EngineError(f"structured output: the grammar failed to compile: {exc}"))
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, tenant: str = "") -> AsyncIterator[RequestOutput]:
         """Deltas of one request; the last has `finished` set. Leaving the loop early aborts it."""
-        stream = self.add(prompt_token_ids, params, request_id)
+        stream = self.add(prompt_token_ids, params, request_id, tenant=tenant)
         try:
             while not stream.finished:
                 for out in await stream.get():

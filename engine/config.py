@@ -45,7 +45,8 @@ class EngineConfig:
     max_num_seqs: int = knob(128, "most sequences in one step's batch")
     max_num_batched_tokens: int = knob(2048, "most tokens in one step's batch (prefill chunks are cut to fit)")
     max_model_len: int | None = knob(None, "context length cap (default: the model's)")
-    max_num_waiting: int = knob(1024, "waiting queue cap; beyond it requests are refused (HTTP 429)")
+    max_num_waiting: int = knob(1024, "waiting queue cap, per tenant (each API key or group; one without keys): "
+                                      "beyond it that tenant's requests are refused (HTTP 429)")
     attention_backend: str | None = knob(None, "attention kernels: triton (GPU), cpu (C++ decode kernel and flash "
                                                "prefill), torch (default: triton on CUDA; on the CPU, cpu for a "
                                                "bfloat16 KV cache, torch for float32 (the exact path))",

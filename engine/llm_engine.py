@@ -37,8 +37,9 @@ class LLMEngine:
         self._pin_ids = itertools.count()
 
     # -- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> SequenceGroup:
-        return self.add(self.core.make_request(request_id, prompt_token_ids, params))
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    tenant: str = "") -> SequenceGroup:
+        return self.add(self.core.make_request(request_id, prompt_token_ids, params, tenant))
 
     def add(self, request: EngineRequest) -> SequenceGroup:
         """Admits a request checked by `core.make_request`. Raises InvalidRequest or QueueFull."""

@@ -40,6 +40,7 @@ class Forks:
         child = self.new_seq(group.request_id, parent.token_ids, parent.params, parent.max_tokens, index,
                              prompt_len=prompt_len, arrival=parent.arrival)
         child.num_computed, child.num_cached_tokens = parent.num_computed, parent.num_cached_tokens
+        child.tenant = parent.tenant
         self.manager.fork(parent.seq_id, child.seq_id)
         self.scheduler.add_running(child)
         child.group = group
