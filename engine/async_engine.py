@@ -367,16 +367,17 @@ class AsyncEngine:
         if public is not None and self._ids.get(public) == rid:
             del self._ids[public]
 
-    async def pin_prefix(self, token_ids: list[int], salt: CacheSalt = ()) -> PinnedPrefix:
+    async def pin_prefix(self, token_ids: list[int], salt: CacheSalt = (), tenant: str = "") -> PinnedPrefix:
         """Computes (or reuses) the prefix's KV and pins its full blocks; the pins are the caller's once
-        this returns. Cancelled at any point, it undoes what it did. Raises PinCapExceeded (nothing
-        pinned), InvalidRequest or EngineDead."""
+        this returns. Cancelled at any point, it undoes what it did. `tenant`: whose pin it is (an opaque key:
+        its computation is that tenant's turn in the scheduler, its blocks count in that tenant's share of the
+        pin cap; unpin with the same). Raises PinCapExceeded (nothing pinned), InvalidRequest or EngineDead."""
         if not self.is_running:
             raise EngineDead("the engine is not running")
         job_id = f"pin-{next(self._pin_ids)}"
         fut: asyncio.Future[PinnedPrefix] = asyncio.get_running_loop().create_future()
         self._pin_futures[job_id] = fut
-        self._send(("pin", job_id, list(token_ids), tuple(salt)))
+        self._send(("pin", job_id, list(token_ids), tuple(salt), tenant))
         kept = False
         try:
             result = await fut
@@ -386,9 +387,9 @@ class AsyncEngine:
             self._pin_futures.pop(job_id, None)
             self._send(("release", job_id, kept))
 
-    async def unpin_prefix(self, token_ids: list[int], salt: CacheSalt = ()) -> int:
+    async def unpin_prefix(self, token_ids: list[int], salt: CacheSalt = (), tenant: str = "") -> int:
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._send(("unpin", fut, list(token_ids), tuple(salt)))
+        self._send(("unpin", fut, list(token_ids), tuple(salt), tenant))
         return await fut
 
     async def reset_prefix_cache(self) -> int:
@@ -514,13 +515,13 @@ class AsyncEngine:
                 res.outputs.append(out)
             res.retired.append(cmd[1])
         elif kind == "pin":
-            engine.start_pin(cmd[1], cmd[2], cmd[3])
+            engine.start_pin(cmd[1], cmd[2], cmd[3], cmd[4])
             self._pins_waiting.add(cmd[1])
         elif kind == "release":
             engine.release_pin(cmd[1], keep=cmd[2])
             self._pins_waiting.discard(cmd[1])
         elif kind == "unpin":
-            res.unpins.append((cmd[1], engine.unpin_prefix(cmd[2], cmd[3])))
+            res.unpins.append((cmd[1], engine.unpin_prefix(cmd[2], cmd[3], cmd[4])))
         elif kind == "reset":
             res.unpins.append((cmd[1], engine.core.reset_prefix_cache()))
 

@@ -63,6 +63,9 @@ class EngineConfig:
                                        "startup; prefill and larger batches stay eager; CPU only for now)")
     enable_prefix_caching: bool = knob(True, "share full KV blocks between requests with the same prefix")
     pinned_fraction: float = knob(0.5, "cap on pinned (registered-prefix) blocks, as a share of all blocks")
+    pinned_tenant_fraction: float = knob(0.25, "one tenant's share of that cap: the most blocks its own prefixes and "
+                                               "prompt_cache_key leases may pin together (beyond it 507); "
+                                               "published prefixes and a server without keys have the cap only")
     torch_threads: int | None = knob(None, "torch intra-op threads (serve / generate default: the cores this "
                                            "process may use, affinity and cgroup quota; offline LLM(): torch's)")
     chat_template: str | None = knob(None, "a Jinja chat template (a file, or the template itself) replacing "
@@ -104,6 +107,7 @@ class EngineConfig:
             (self.kv_cache_dtype is None or self.kv_cache_dtype in DTYPES,
              f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}"),
             (0.0 <= self.pinned_fraction <= 1.0, "pinned_fraction must be within [0, 1]"),
+            (0.0 <= self.pinned_tenant_fraction <= 1.0, "pinned_tenant_fraction must be within [0, 1]"),
             (self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1"),
             (self.quantization is None or self.quantization in QUANTIZATIONS,
              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"),

@@ -123,7 +123,9 @@ class EngineCore:
         self.num_blocks_total = num_blocks              # immutable: make_request may read it off-thread
         events = KVEventsConfig.from_json(config.kv_events_config) if config.kv_events_config else None
         sink = KVEventQueue(events.max_queue_size) if events is not None and events.enabled else None
-        self.pool = BlockPool(num_blocks, max_pinned_blocks=int(num_blocks * config.pinned_fraction), events=sink)
+        max_pinned = int(num_blocks * config.pinned_fraction)
+        self.pool = BlockPool(num_blocks, max_pinned_blocks=max_pinned, events=sink,
+                              max_pinned_per_owner=int(max_pinned * config.pinned_tenant_fraction))
         attention = backend.attention(self.attention_backend)
         self.kv_cache: KVStore = backend.create(CacheSpec(args, num_blocks, self.block_size, dtype, config.device,
                                                           self.max_model_len, config.max_num_seqs, attention,

@@ -33,9 +33,11 @@ class Pinner(Protocol):
     max_model_len: int
     model_name: str
 
-    async def pin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = ()) -> Pinned: ...
+    async def pin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = (),
+                         tenant: str = "") -> Pinned: ...
 
-    async def unpin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = ()) -> int: ...
+    async def unpin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = (),
+                           tenant: str = "") -> int: ...
 
     def stats(self) -> Load: ...
 
@@ -55,6 +57,11 @@ class PrefixSnapshot:
 def salt_of(record: PrefixRecord) -> tuple[tuple[int, str], ...]:
     """The engine's cache salt (block_pool.CacheSalt) a record's blocks are hashed with."""
     return ((0, record.salt),) if record.salt else ()
+
+
+def tenant_of(record: PrefixRecord) -> str:
+    """Whose pin a record's is, for the engine (its share of the pin cap): its owner, "" for a published one."""
+    return record.owner or ""
 
 
 @dataclass
