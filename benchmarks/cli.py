@@ -4,8 +4,8 @@
     prefixserve bench prefix --quick --out /tmp/results
 
 Names: throughput, memory, prefix, sharing, structured, vattention, decode (benchmarks/offline/: the engine
-in this process), routing, peers, isolation (benchmarks/served/: servers over HTTP); each writes <name>.md/.png/.json
-into --out and prints `RESULT {json}` last. Delegated, with options of their own: serving
+in this process), routing, peers, isolation, fairness (benchmarks/served/: servers over HTTP); each writes
+<name>.md/.png/.json into --out and prints `RESULT {json}` last. Delegated, with options of their own: serving
 (benchmarks/served/serving.py) and kernels (benchmarks/offline/kernels.py, CUDA only).
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 OFFLINE = ("throughput", "memory", "prefix", "sharing", "structured", "vattention", "decode", "kernels")
-SERVED = ("routing", "peers", "serving", "isolation")
+SERVED = ("routing", "peers", "serving", "isolation", "fairness")
 OURS = ("throughput", "memory", "prefix", "sharing", "structured", "routing", "vattention", "decode", "peers",
-        "isolation")
+        "isolation", "fairness")
 DELEGATED = ("serving", "kernels")
 
 
