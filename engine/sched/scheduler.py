@@ -5,8 +5,9 @@ Each step, in this order, under the budgets `max_num_seqs` and `max_num_batched_
      blocks freed, requeued at the front of its tenant's queue): the youngest running sequence of the tenant
      that runs the most;
   2. tenants with work waiting and nothing running ("starved"), in turn order: each one's first request is
-     admitted, and if the seats or the blocks are short, victims of the other tenants (as in 1) are preempted
-     for it. So a tenant never waits for another tenant's running requests to end;
+     admitted, and if the seats or the blocks are short, victims of the other tenants that run two or more
+     (as in 1) are preempted for it. So a tenant waits for another tenant's running requests to end only where
+     each runs just one;
   3. running sequences still in a chunked prefill, with the tokens left in the budget (a smaller chunk
      when blocks are short; with no block at all, a victim is preempted);
   4. waiting sequences, round-robin between tenants, first come first served within one (engine/sched/
@@ -199,7 +200,9 @@ class Scheduler:
                     took = self._admit_unit(unit, seq, hit, budget, out, scheduled_ids)
                     if took is not None:
                         break
-                victim = self._victim(scheduled_ids, exclude=tenant)
+                # NOTE: only a tenant running two or more gives one up: one that runs a single sequence keeps it, or
+                # two tenants short of room would take each other's seat every step (neither getting anywhere)
+                victim = self._victim(scheduled_ids, exclude=tenant, keep_one=True)
                 if victim is None:
                     break
                 budget += self._preempt(victim, out, scheduled_ids)
@@ -300,14 +303,15 @@ class Scheduler:
         owner = self.manager.in_flight(seq.block_hashes[nxt])
         return owner is not None and owner != seq.seq_id
 
-    def _victim(self, scheduled_ids: set[int], exclude: str | None = None,
-                unscheduled_only: bool = False) -> Sequence | None:
+    def _victim(self, scheduled_ids: set[int], exclude: str | None = None, unscheduled_only: bool = False,
+                keep_one: bool = False) -> Sequence | None:
         """Whom to preempt: the youngest running sequence of the tenant that runs the most (with one tenant, the
-        youngest), not of tenant `exclude`; None if there is none."""
+        youngest), not of tenant `exclude` (nor, `keep_one`, of a tenant running only one); None if none is."""
         counts = Counter(s.tenant for s in self.running)
         best: Sequence | None = None
         for seq in reversed(self.running):          # youngest first: the first of the most-running tenant wins
-            if seq.tenant == exclude or unscheduled_only and seq.seq_id in scheduled_ids:
+            if seq.tenant == exclude or unscheduled_only and seq.seq_id in scheduled_ids or \
+                    keep_one and counts[seq.tenant] < 2:
                 continue
             if best is None or counts[seq.tenant] > counts[best.tenant]:
                 best = seq

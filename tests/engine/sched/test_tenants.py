@@ -82,3 +82,16 @@ def test_tenant_queues_turns() -> None:
     assert q.tenants() == ["a"] and b1 not in q and a2 in q
     q.appendleft(b1)                          # a preempted sequence: its tenant's turn is next
     assert q.tenants() == ["b", "a"] and q[0] is b1 and q.count("a") == 1
+
+
+def test_two_tenants_short_of_seats_do_not_take_each_others_turn() -> None:
+    """One seat: a tenant running a single sequence keeps it (preempting it for the other tenant, and back the
+    next step, would make neither progress); the other gets the seat when it frees."""
+    s = make(num_blocks=256, max_num_seqs=1, budget=100)
+    a = _of("a", 4, max_tokens=3, first=0)
+    s.add(a)
+    step(s)
+    b = _of("b", 4, max_tokens=2, first=100)
+    s.add(b)
+    assert [plan(step(s)) for _ in range(2)] == [[(a.request_id, 1, True)]] * 2     # a ends after its 3 tokens
+    assert plan(step(s)) == [(b.request_id, 4, True)]
