@@ -93,19 +93,23 @@ def test_tokenizer_and_chat_template_equal_transformers(real_llm: LLM, hf_tok: A
     assert real_llm.engine.loaded.eos_token_ids == [theirs.eos_token_id]
 
 
-def test_greedy_chat_answers_equal_transformers(real_llm: LLM,
-                                                reference_answers: tuple[list[list[int]], list[list[int]]]) -> None:
-    prompts, expected = reference_answers
-    got = real_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
-    assert [o.outputs[0].token_ids for o in got] == expected
-    assert "Paris" in got[0].outputs[0].text
-
-
 Answers = tuple[list[list[int]], list[list[int]]]      # the prompts, and transformers' greedy answers
+GREEDY_TOP5 = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5)   # greedy, with each step's top 5
 
 
-def test_int4_greedy_answers_agree_with_transformers(real_model_path: Path, real_llm: LLM,
-                                                     reference_answers: Answers) -> None:
+@pytest.fixture(scope="module")
+def float32_answers(real_llm: LLM, reference_answers: Answers) -> list[Any]:
+    """Our greedy answers in float32 to the 20 prompts, with their log-probabilities (one run for both tests)."""
+    return real_llm.generate(reference_answers[0], GREEDY_TOP5)
+
+
+def test_greedy_chat_answers_equal_transformers(reference_answers: Answers, float32_answers: list[Any]) -> None:
+    assert [o.outputs[0].token_ids for o in float32_answers] == reference_answers[1]
+    assert "Paris" in float32_answers[0].outputs[0].text
+
+
+def test_int4_greedy_answers_agree_with_transformers(real_model_path: Path, reference_answers: Answers,
+                                                     float32_answers: list[Any]) -> None:
     """The default is not bit-exact: Q4_1 blocks as they are for steps of a few rows, the same weights in
     bfloat16 for wide steps (prefill, 10 or more rows: what vLLM computes with), bfloat16 activations in
     every quantized matmul and a bfloat16 KV cache. So the criterion is stated: the first step's
@@ -117,11 +121,11 @@ def test_int4_greedy_answers_agree_with_transformers(real_model_path: Path, real
     prompts, expected = reference_answers
     llm = LLM(str(real_model_path), max_model_len=2048, num_kv_blocks=512)
     assert llm.engine.loaded.quantization == "int4"
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))]
-    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    outs = llm.generate(prompts, GREEDY_TOP5)
+    got = [o.outputs[0].token_ids for o in outs]
     clear = 0
-    for g, e, q, f in zip(got, expected, llm.generate(prompts, one), real_llm.generate(prompts, one)):
-        lq, lf = q.outputs[0].logprobs[0], f.outputs[0].logprobs[0]
+    for g, e, q, f in zip(got, expected, outs, float32_answers):
+        lq, lf = q.outputs[0].logprobs[0], f.outputs[0].logprobs[0]         # the first step's top 5
         shared = set(lq) & set(lf)
         assert len(shared) >= 3 and max(abs(lq[t] - lf[t]) for t in shared) < 0.25
         top = sorted(lf.values(), reverse=True)
