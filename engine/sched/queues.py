@@ -1,4 +1,5 @@
-"""TenantQueues: the scheduler's waiting requests, one FIFO queue per tenant, served round-robin.
+"""TenantQueues: the scheduler's waiting requests, one FIFO queue per tenant, served round-robin; and
+`pick_victim`, whom the scheduler preempts when it must (the busiest tenant's youngest).
 
 A tenant is an opaque key on each request (`Sequence.tenant`; the service sets it from the API key, "" when
 there are no keys); the engine never interprets it. Within a tenant, first come first served; between
@@ -17,7 +18,7 @@ Iteration (`__iter__`) goes tenant by tenant in turn order, each in FIFO order.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from engine.sequence import Sequence
 
@@ -46,6 +47,14 @@ class TenantQueues:
 
     def __getitem__(self, i: int) -> Sequence:
         return list(self)[i]
+
+    def next(self, skip: set[int]) -> Sequence | None:
+        """The first waiting sequence of the tenant whose turn it is, passing over those in `skip` (seq ids)."""
+        for tenant in self._turns:
+            for seq in self._queues[tenant]:
+                if seq.seq_id not in skip:
+                    return seq
+        return None
 
     def count(self, tenant: str) -> int:
         """Requests of `tenant` waiting."""
@@ -106,3 +115,18 @@ class TenantQueues:
             else:
                 self._turns.append(tenant)
         return q
+
+
+def pick_victim(running: list[Sequence], spare: Collection[int] = (), exclude: str | None = None,
+                keep_one: bool = False) -> Sequence | None:
+    """Whom to preempt among `running` (oldest first): the youngest sequence of the tenant that runs the most
+    (with one tenant, the youngest), passing over the seq ids in `spare`, tenant `exclude` and, `keep_one`, any
+    tenant running only one; None if none is left."""
+    counts = Counter(s.tenant for s in running)
+    best: Sequence | None = None
+    for seq in reversed(running):               # youngest first: the first of the most-running tenant wins
+        if seq.tenant == exclude or seq.seq_id in spare or keep_one and counts[seq.tenant] < 2:
+            continue
+        if best is None or counts[seq.tenant] > counts[best.tenant]:
+            best = seq
+    return best

@@ -25,11 +25,10 @@ all. A request never has more samples or beams than `max_num_seqs` (refused when
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.kv.block_manager import BlockManager, PrefixHit
-from engine.sched.queues import TenantQueues
+from engine.sched.queues import TenantQueues, pick_victim
 from engine.sequence import Sequence, Status
 
 
@@ -139,7 +138,7 @@ class Scheduler:
         #    preempt: memory is short, admitting more would only thrash.
         deferred: set[int] = set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            head = self._next_waiting(deferred)
+            head = self.waiting.next(deferred)
             if head is None:
                 break
             seq = head
@@ -167,14 +166,6 @@ class Scheduler:
         out.copies = self.manager.pending_copies
         self.manager.pending_copies = []
         return out
-
-    def _next_waiting(self, deferred: set[int]) -> Sequence | None:
-        """The first waiting sequence of the tenant whose turn it is, passing over those deferred this step."""
-        for tenant in self.waiting.tenants():
-            for seq in self.waiting.queue(tenant):
-                if seq.seq_id not in deferred:
-                    return seq
-        return None
 
     def _admit_starved(self, budget: int, out: SchedulerOutput, scheduled_ids: set[int]) -> int:
         """Phase 2 (the module docstring): each tenant with work waiting and nothing running gets its first
@@ -305,17 +296,7 @@ class Scheduler:
 
     def _victim(self, scheduled_ids: set[int], exclude: str | None = None, unscheduled_only: bool = False,
                 keep_one: bool = False) -> Sequence | None:
-        """Whom to preempt: the youngest running sequence of the tenant that runs the most (with one tenant, the
-        youngest), not of tenant `exclude` (nor, `keep_one`, of a tenant running only one); None if none is."""
-        counts = Counter(s.tenant for s in self.running)
-        best: Sequence | None = None
-        for seq in reversed(self.running):          # youngest first: the first of the most-running tenant wins
-            if seq.tenant == exclude or unscheduled_only and seq.seq_id in scheduled_ids or \
-                    keep_one and counts[seq.tenant] < 2:
-                continue
-            if best is None or counts[seq.tenant] > counts[best.tenant]:
-                best = seq
-        return best
+        return pick_victim(self.running, scheduled_ids if unscheduled_only else (), exclude, keep_one)
 
     def _victim_unscheduled(self, scheduled_ids: set[int]) -> Sequence:
         victim = self._victim(scheduled_ids, unscheduled_only=True)
