@@ -4,7 +4,7 @@
     prefixserve bench prefix --quick --out /tmp/results
 
 Names: throughput, memory, prefix, sharing, structured, vattention, decode (benchmarks/offline/: the engine
-in this process), routing, peers, isolation, tier (benchmarks/served/: servers over HTTP); each writes
+in this process), routing, peers, isolation, fairness, tier (benchmarks/served/: servers over HTTP); each
 <name>.md/.png/.json into --out and prints `RESULT {json}` last. Delegated, with options of their own: serving
 (benchmarks/served/serving.py) and kernels (benchmarks/offline/kernels.py: the Triton kernels on CUDA;
 `--device cpu`: the C++ CPU kernels).
@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 OFFLINE = ("throughput", "memory", "prefix", "sharing", "structured", "vattention", "decode", "kernels")
-SERVED = ("routing", "peers", "serving", "isolation", "tier")
+SERVED = ("routing", "peers", "serving", "isolation", "fairness", "tier")
 OURS = ("throughput", "memory", "prefix", "sharing", "structured", "routing", "vattention", "decode", "peers",
-        "isolation", "tier")
+        "isolation", "fairness", "tier")
 DELEGATED = ("serving", "kernels")
 
 

@@ -1,6 +1,6 @@
 """AsyncEngine: the asyncio face of the engine, and the service's whole view of it.
 
-    add, generate, abort                        requests and their streams (RequestStream); a request
+    add, generate, abort, abort_all             requests and their streams (RequestStream); a request
                                                 with structured output is admitted once its grammar
                                                 compiled, on a grammar thread of its own
     pin_prefix, unpin_prefix                    named prefixes: compute and pin, unpin
@@ -206,6 +206,7 @@ class AsyncEngine:
         self._loop_thread = 0
         self._arriving = 0          # requests on their way in (`arriving`): loop thread only
         self._task: asyncio.Task[None] | None = None
+        self._closing = False       # abort_all was called (shutdown): new requests are refused
         self._stats = self._engine.stats()
         self.dead: BaseException | None = None
 
@@ -240,19 +241,22 @@ class AsyncEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-            stream: RequestStream | None = None) -> RequestStream:
+            stream: RequestStream | None = None, tenant: str = "") -> RequestStream:
         """Submits a request; its outputs arrive on `stream` (a new one unless given, so several requests
-        can share one). Raises InvalidRequest (checks on fixed inputs) or EngineDead at once; refusals
-        that depend on the cache arrive through the stream."""
+        can share one). `tenant`: whose it is, an opaque key the scheduler shares its turns between (and the
+        waiting queue's cap applies to). Raises InvalidRequest (checks on fixed inputs) or EngineDead at once;
+        refusals that depend on the cache arrive through the stream."""
         if not self.is_running:
             raise EngineDead("the engine is not running")
+        if self._closing:
+            raise EngineDead("the engine is shutting down")
         public = request_id or uuid.uuid4().hex
         if public in self._ids:
             raise InvalidRequest(f"request id {public!r} is already in use", param="id")
         rid = public
         while rid in self._retiring or rid in self._streams:
             rid = f"{public}#{uuid.uuid4().hex[:8]}"
-        request = self._core.make_request(rid, prompt_token_ids, params)
+        request = self._core.make_request(rid, prompt_token_ids, params, tenant)
         stream = stream or RequestStream(self)
         stream._submitted(rid, public)
         self._streams[rid] = stream
@@ -311,9 +315,9 @@ class AsyncEngine:
                      EngineError(f"structured output: the grammar failed to compile: {exc}"))
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, tenant: str = "") -> AsyncIterator[RequestOutput]:
         """Deltas of one request; the last has `finished` set. Leaving the loop early aborts it."""
-        stream = self.add(prompt_token_ids, params, request_id)
+        stream = self.add(prompt_token_ids, params, request_id, tenant=tenant)
         try:
             while not stream.finished:
                 for out in await stream.get():
@@ -325,6 +329,21 @@ class AsyncEngine:
         """Idempotent; the request's blocks are freed at the start of the next step, its grammar's compile
         (when it is still compiling) is stopped. Any thread."""
         self._stop(self._ids.get(request_id, request_id))
+
+    @property
+    def num_requests(self) -> int:
+        """Requests submitted and not yet ended (compiling their grammar, waiting or running). Loop thread."""
+        return len(self._streams)
+
+    def abort_all(self) -> int:
+        """Shutdown: ends every request now, each with its last output on its stream (every unfinished sequence
+        with finish_reason "abort", as `abort` does), and refuses new ones from here on (EngineDead). A request
+        still compiling its grammar fails instead. Returns how many it ended. Loop thread."""
+        self._closing = True
+        rids = list(self._streams)
+        for rid in rids:
+            self._stop(rid)
+        return len(rids)
 
     def _abort_life(self, rid: str) -> None:
         """Loop side: aborts the request of engine id `rid`; until the engine thread applied it, a new request
@@ -349,16 +368,17 @@ class AsyncEngine:
         if public is not None and self._ids.get(public) == rid:
             del self._ids[public]
 
-    async def pin_prefix(self, token_ids: list[int], salt: CacheSalt = ()) -> PinnedPrefix:
+    async def pin_prefix(self, token_ids: list[int], salt: CacheSalt = (), tenant: str = "") -> PinnedPrefix:
         """Computes (or reuses) the prefix's KV and pins its full blocks; the pins are the caller's once
-        this returns. Cancelled at any point, it undoes what it did. Raises PinCapExceeded (nothing
-        pinned), InvalidRequest or EngineDead."""
+        this returns. Cancelled at any point, it undoes what it did. `tenant`: whose pin it is (an opaque key:
+        its computation is that tenant's turn in the scheduler, its blocks count in that tenant's share of the
+        pin cap; unpin with the same). Raises PinCapExceeded (nothing pinned), InvalidRequest or EngineDead."""
         if not self.is_running:
             raise EngineDead("the engine is not running")
         job_id = f"pin-{next(self._pin_ids)}"
         fut: asyncio.Future[PinnedPrefix] = asyncio.get_running_loop().create_future()
         self._pin_futures[job_id] = fut
-        self._send(("pin", job_id, list(token_ids), tuple(salt)))
+        self._send(("pin", job_id, list(token_ids), tuple(salt), tenant))
         kept = False
         try:
             result = await fut
@@ -368,10 +388,12 @@ class AsyncEngine:
             self._pin_futures.pop(job_id, None)
             self._send(("release", job_id, kept))
 
-    async def unpin_prefix(self, token_ids: list[int], salt: CacheSalt = (), forget: bool = False) -> int:
-        """Drops the prefix's pins; `forget` (a deleted prefix): its blocks also leave the KV tier."""
+    async def unpin_prefix(self, token_ids: list[int], salt: CacheSalt = (), tenant: str = "",
+                           forget: bool = False) -> int:
+        """Drops the prefix's pins (of `tenant`, as it pinned it); `forget` (a deleted prefix): its blocks also
+        leave the KV tier."""
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._send(("unpin", fut, list(token_ids), tuple(salt), forget))
+        self._send(("unpin", fut, list(token_ids), tuple(salt), tenant, forget))
         return await fut
 
     async def reset_prefix_cache(self) -> int:
@@ -497,13 +519,13 @@ class AsyncEngine:
                 res.outputs.append(out)
             res.retired.append(cmd[1])
         elif kind == "pin":
-            engine.start_pin(cmd[1], cmd[2], cmd[3])
+            engine.start_pin(cmd[1], cmd[2], cmd[3], cmd[4])
             self._pins_waiting.add(cmd[1])
         elif kind == "release":
             engine.release_pin(cmd[1], keep=cmd[2])
             self._pins_waiting.discard(cmd[1])
         elif kind == "unpin":
-            res.unpins.append((cmd[1], engine.unpin_prefix(cmd[2], cmd[3], cmd[4])))
+            res.unpins.append((cmd[1], engine.unpin_prefix(cmd[2], cmd[3], cmd[4], cmd[5])))
         elif kind == "reset":
             res.unpins.append((cmd[1], engine.core.reset_prefix_cache()))
 

@@ -47,7 +47,8 @@ class EngineConfig:
     max_num_seqs: int = knob(128, "most sequences in one step's batch")
     max_num_batched_tokens: int = knob(2048, "most tokens in one step's batch (prefill chunks are cut to fit)")
     max_model_len: int | None = knob(None, "context length cap (default: the model's)")
-    max_num_waiting: int = knob(1024, "waiting queue cap; beyond it requests are refused (HTTP 429)")
+    max_num_waiting: int = knob(1024, "waiting queue cap, per tenant (each API key or group; one without keys): "
+                                      "beyond it that tenant's requests are refused (HTTP 429)")
     attention_backend: str | None = knob(None, "attention kernels: triton (GPU), cpu (C++ decode kernel and flash "
                                                "prefill), torch (default: triton on CUDA; on the CPU, cpu for a "
                                                "bfloat16 KV cache, torch for float32 (the exact path))",
@@ -84,13 +85,18 @@ class EngineConfig:
     kv_tier_load_timeout: float = knob(5.0, "seconds a request waits for its blocks to load from the KV tier; then "
                                             "it computes them (a slow or hung disk)")
     pinned_fraction: float = knob(0.5, "cap on pinned (registered-prefix) blocks, as a share of all blocks")
+    pinned_tenant_fraction: float = knob(0.25, "one tenant's share of that cap: the most blocks its own prefixes and "
+                                               "prompt_cache_key leases may pin together (beyond it 507); "
+                                               "published prefixes and a server without keys have the cap only")
     torch_threads: int | None = knob(None, "torch intra-op threads (serve / generate default: the cores this "
                                            "process may use, affinity and cgroup quota; offline LLM(): torch's)")
     chat_template: str | None = knob(None, "a Jinja chat template (a file, or the template itself) replacing "
                                            "the checkpoint's")
-    grammar_compile_timeout: float = knob(10.0, "seconds a structured-output grammar (json_schema, regex, choice) may "
-                                                "take to compile; a slower one is refused (HTTP 400) and its compile "
-                                                "killed, as is the compile of a client that went away")
+    grammar_compile_timeout: float = knob(10.0, "seconds of CPU time a structured-output grammar (json_schema, "
+                                                "regex, choice) may take to compile; a slower one is refused (HTTP "
+                                                "400) and its compile killed, as is the compile of a client that went "
+                                                "away (on a machine too busy to give it that, after 6x as long in "
+                                                "wall-clock time, saying so)")
     grammar_compile_workers: int = knob(2, "structured-output grammars compiled at once (each in a child process of "
                                            "its own, then in this one); the rest wait their turn")
     grammar_cache_size: int = knob(64, "compiled grammars kept for reuse (least recently used dropped first)")
@@ -123,6 +129,7 @@ class EngineConfig:
             (self.kv_cache_dtype is None or self.kv_cache_dtype in DTYPES,
              f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}"),
             (0.0 <= self.pinned_fraction <= 1.0, "pinned_fraction must be within [0, 1]"),
+            (0.0 <= self.pinned_tenant_fraction <= 1.0, "pinned_tenant_fraction must be within [0, 1]"),
             (self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1"),
             (self.quantization is None or self.quantization in QUANTIZATIONS,
              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"),

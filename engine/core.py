@@ -131,7 +131,9 @@ class EngineCore:
         self.num_blocks_total = num_blocks              # immutable: make_request may read it off-thread
         events = KVEventsConfig.from_json(config.kv_events_config) if config.kv_events_config else None
         sink = KVEventQueue(events.max_queue_size) if events is not None and events.enabled else None
-        self.pool = BlockPool(num_blocks, max_pinned_blocks=int(num_blocks * config.pinned_fraction), events=sink)
+        max_pinned = int(num_blocks * config.pinned_fraction)
+        self.pool = BlockPool(num_blocks, max_pinned_blocks=max_pinned, events=sink,
+                              max_pinned_per_owner=int(max_pinned * config.pinned_tenant_fraction))
         attention = backend.attention(self.attention_backend, self.ops)
         self.kv_cache: KVStore = backend.create(CacheSpec(args, num_blocks, self.block_size, dtype, config.device,
                                                           self.max_model_len, config.max_num_seqs, attention,
@@ -182,9 +184,10 @@ class EngineCore:
             return self._grammars
 
     # -- requests -----------------------------------------------------------------------------
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
-        """Checks on fixed inputs only (prompt, vocabulary, context length): safe on any thread.
-        Raises InvalidRequest."""
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     tenant: str = "") -> EngineRequest:
+        """Checks on fixed inputs only (prompt, vocabulary, context length): safe on any thread. `tenant`: whose
+        request it is, an opaque key the scheduler shares its turns between. Raises InvalidRequest."""
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequest("the prompt must contain at least one token", param="prompt")
@@ -214,7 +217,7 @@ class EngineCore:
         if need > self.num_blocks_total:
             raise InvalidRequest(f"the request needs {need} KV blocks but the cache has "
                                  f"{self.num_blocks_total} in all", param="max_tokens")
-        return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens, time.monotonic())
+        return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens, time.monotonic(), tenant=tenant)
 
     def _blocks_needed(self, num_prompt: int, max_tokens: int, params: SamplingParams) -> int:
         # prompt blocks are shared by every sample / beam; each has its own output blocks (+1 for CoW)
@@ -242,16 +245,17 @@ class EngineCore:
             raise InvalidRequest(
                 f"the request needs {need} KV blocks but the cache has {usable} for it "
                 f"({self.pool.num_pinned} of {self.pool.num_blocks_total} are pinned)", param="max_tokens")
-        if len(self.scheduler.waiting) >= self.config.max_num_waiting:
+        if self.scheduler.waiting.count(request.tenant) >= self.config.max_num_waiting:   # per tenant: see config
             raise QueueFull(f"the waiting queue is full ({self.config.max_num_waiting} requests); retry later")
         grammar = request.grammar
         if request.params.structured is not None and grammar is None:
             grammar = self.grammars.compile(request.params.structured)    # InvalidRequest if it does not compile
         seq = self.new_seq(rid, prompt, request.params, request.max_tokens, 0)
         seq.block_hashes = hashes
+        seq.tenant = request.tenant
         group = SequenceGroup(request, seq, RequestTimes(arrival=request.arrival))
         group.grammar = grammar
-        if request.params.use_beam_search:
+        if request.params.use_beam_search and request.max_tokens > 0:     # nothing to search with max_tokens 0
             self.forks.start_beam_search(group, self.eos_token_ids)
         self.requests[rid] = group
         self.scheduler.add(seq)
@@ -344,7 +348,9 @@ class EngineCore:
             seq, group = s.seq, s.seq.group
             assert group is not None
             out.touch(group)
-            if seq.max_tokens == 0:                      # prefill only (a prefix being pinned)
+            if seq.max_tokens == 0:      # prefill only (a prefix being pinned, a prompt scored or cached)
+                if group.best_of > 1 and not group.forked:
+                    self.forks.end_unsampled(group, seq)
                 self.finish_seq(seq, "length")
             elif group.beam is not None:
                 seq.pending_logprobs = torch.log_softmax(logits[i].float(), dim=-1)

@@ -37,8 +37,9 @@ class LLMEngine:
         self._pin_ids = itertools.count()
 
     # -- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> SequenceGroup:
-        return self.add(self.core.make_request(request_id, prompt_token_ids, params))
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    tenant: str = "") -> SequenceGroup:
+        return self.add(self.core.make_request(request_id, prompt_token_ids, params, tenant))
 
     def add(self, request: EngineRequest) -> SequenceGroup:
         """Admits a request checked by `core.make_request`. Raises InvalidRequest or QueueFull."""
@@ -72,17 +73,17 @@ class LLMEngine:
         return stashed + self.output.process(out)
 
     # -- prefixes -----------------------------------------------------------------------------
-    def start_pin(self, job_id: str, token_ids: list[int], salt: CacheSalt = ()) -> PinJob:
-        return self.pins.start(job_id, token_ids, salt)
+    def start_pin(self, job_id: str, token_ids: list[int], salt: CacheSalt = (), tenant: str = "") -> PinJob:
+        return self.pins.start(job_id, token_ids, salt, tenant)
 
     def release_pin(self, job_id: str, keep: bool) -> None:
         self.pins.release(job_id, keep)
 
-    def pin_prefix(self, token_ids: list[int], salt: CacheSalt = ()) -> PinnedPrefix:
+    def pin_prefix(self, token_ids: list[int], salt: CacheSalt = (), tenant: str = "") -> PinnedPrefix:
         """Computes the prefix's KV (prefix-cache hits are reused) and pins its full blocks; steps the
         engine until then (other requests' outputs of those steps come with the next `step()`).
         Raises PinCapExceeded (nothing pinned) or InvalidRequest."""
-        job = self.start_pin(f"sync-{next(self._pin_ids)}", token_ids, salt)
+        job = self.start_pin(f"sync-{next(self._pin_ids)}", token_ids, salt, tenant)
         while not job.settled:
             self._stash.extend(self.step())
         self.release_pin(job.job_id, keep=True)
@@ -91,9 +92,9 @@ class LLMEngine:
         assert job.result is not None
         return job.result
 
-    def unpin_prefix(self, token_ids: list[int], salt: CacheSalt = (), forget: bool = False) -> int:
+    def unpin_prefix(self, token_ids: list[int], salt: CacheSalt = (), tenant: str = "", forget: bool = False) -> int:
         """`forget`: the prefix was deleted: its blocks also leave the KV tier (pinning.PinStateMachine.unpin)."""
-        return self.pins.unpin(token_ids, salt, forget)
+        return self.pins.unpin(token_ids, salt, tenant, forget)
 
     def stats(self) -> EngineStats:
         return self.core.stats()

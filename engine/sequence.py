@@ -162,6 +162,7 @@ class EngineRequest:
     max_tokens: int                     # resolved: never None
     arrival: float                      # time.monotonic() when made
     grammar: Any = None                 # structured output: its compiled grammar, once compiled (AsyncEngine)
+    tenant: str = ""                    # whose it is: an opaque key the scheduler is fair between (sched/queues.py)
 
 
 class Sequence:
@@ -200,6 +201,7 @@ class Sequence:
         self.pending_logprobs: torch.Tensor | None = None  # beam search: next-token log-probs awaiting siblings
         self.generator: torch.Generator | None = None            # set by the engine
         self.guide: Any = None                # structured output: its grammar matcher, from its first sample
+        self.tenant = ""                      # its request's tenant (EngineRequest.tenant): an opaque key
 
     @property
     def num_tokens(self) -> int:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefix_store.base import PrefixRecord, Salt
 from prefix_store.errors import StoreUnavailable
-from prefix_store.local import LocalPrefix, salt_of
+from prefix_store.local import LocalPrefix, salt_of, tenant_of
 
 if TYPE_CHECKING:
     from prefix_store.registry import PrefixRegistry
@@ -161,13 +161,13 @@ class Leases:
             key = record.key
             if key not in reg.local:
                 reg.check_room(record.owner)
-            pinned = await reg.engine.pin_prefix(record.token_ids, salt_of(record))
+            pinned = await reg.engine.pin_prefix(record.token_ids, salt_of(record), tenant_of(record))
             record.block_hashes = pinned.block_hashes
             try:
                 if not await reg.store.update(record, origin=reg.replica_id):
                     await reg.store.put(record, origin=reg.replica_id)
             except BaseException:
-                await reg.engine.unpin_prefix(record.token_ids, salt_of(record))
+                await reg.engine.unpin_prefix(record.token_ids, salt_of(record), tenant_of(record))
                 raise
             await reg.unpin_local(key)
             reg.local[key] = LocalPrefix(record, pinned.num_pinned_blocks)

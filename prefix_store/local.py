@@ -33,10 +33,11 @@ class Pinner(Protocol):
     max_model_len: int
     model_name: str
 
-    async def pin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = ()) -> Pinned: ...
+    async def pin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = (),
+                         tenant: str = "") -> Pinned: ...
 
     async def unpin_prefix(self, token_ids: list[int], salt: tuple[tuple[int, str], ...] = (),
-                           forget: bool = False) -> int: ...
+                           tenant: str = "", forget: bool = False) -> int: ...
 
     def stats(self) -> Load: ...
 
@@ -58,6 +59,11 @@ class PrefixSnapshot:
 def salt_of(record: PrefixRecord) -> Salt:
     """The engine's cache salt (block_pool.CacheSalt) a record's blocks are hashed with."""
     return record.salt
+
+
+def tenant_of(record: PrefixRecord) -> str:
+    """Whose pin a record's is, for the engine (its share of the pin cap): its owner, "" for a published one."""
+    return record.owner or ""
 
 
 @dataclass

@@ -39,7 +39,7 @@ from prefix_store.errors import (
     StoreUnavailable,
 )
 from prefix_store.leases import Leases
-from prefix_store.local import LocalPrefix, Pinner, PrefixSnapshot, salt_of
+from prefix_store.local import LocalPrefix, Pinner, PrefixSnapshot, salt_of, tenant_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -184,7 +184,7 @@ class PrefixRegistry:
 
     async def _pin_local(self, record: PrefixRecord) -> None:
         try:
-            pinned = await self.engine.pin_prefix(record.token_ids, salt_of(record))
+            pinned = await self.engine.pin_prefix(record.token_ids, salt_of(record), tenant_of(record))
         except asyncio.CancelledError:
             raise
         except Exception as exc:            # the engine's refusal (the pin cap): serve without it, say why
@@ -197,7 +197,8 @@ class PrefixRegistry:
         from the KV tier (an ended lease's may stay)."""
         entry = self.local.pop(key, None)
         if entry is not None:
-            await self.engine.unpin_prefix(entry.record.token_ids, salt_of(entry.record), forget=forget)
+            await self.engine.unpin_prefix(entry.record.token_ids, salt_of(entry.record), tenant_of(entry.record),
+                                           forget=forget)
 
     # -- API operations -----------------------------------------------------------------------
     async def register(self, name: str, token_ids: list[int], source: dict[str, Any], description: str | None,
@@ -234,13 +235,14 @@ class PrefixRegistry:
             stale = entry is not None and not entry.record.same_content(record)   # a view the store no longer has
             pinned = None
             if entry is None or stale:
-                pinned = await self.engine.pin_prefix(record.token_ids, salt_of(record))   # ours from here
+                # ours from here
+                pinned = await self.engine.pin_prefix(record.token_ids, salt_of(record), tenant_of(record))
             record.block_hashes = pinned.block_hashes if pinned else entry.record.block_hashes  # type: ignore[union-attr]
             try:
                 stored, created = await self.store.put(record, origin=self.replica_id)
             except BaseException:
                 if pinned is not None:
-                    await self.engine.unpin_prefix(record.token_ids, salt_of(record))
+                    await self.engine.unpin_prefix(record.token_ids, salt_of(record), tenant_of(record))
                 raise
             if pinned is not None:
                 if stale:

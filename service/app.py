@@ -1,10 +1,18 @@
 """The aiohttp application: routes, middlewares, and the engine's lifetime (a cleanup_ctx).
 
 The model loads on a worker thread after the server starts listening, so /health answers 503
-(warming) meanwhile. On shutdown (SIGTERM under `web.run_app`), aiohttp stops accepting, runs
-on_shutdown (we start draining: new requests get 503), waits up to `shutdown_timeout` for running
-handlers, cancels the rest (their `finally` aborts their requests), then the cleanup_ctx closes the registry
-(its registrations in flight cancelled, its store closed, within a few seconds) and stops the engine.
+(warming) meanwhile. On shutdown (SIGTERM or SIGINT under `web.run_app`), aiohttp stops accepting and runs
+on_shutdown: we start draining (new requests get 503), idle WebSockets close, and running requests get
+`shutdown_timeout` seconds to finish (`_drain`); then every generation still running is ended by the engine
+(`AsyncEngine.abort_all`): its stream ends as any other, with a finish_reason ("abort") and `[DONE]`, a
+whole answer with what it had, a WebSocket generation with its `done` frame. aiohttp then gives the handlers
+HANDLER_GRACE_S to return and cancels the rest (their `finally` aborts their requests), then the cleanup_ctx
+closes the registry (its registrations in flight cancelled, its store closed, within a few seconds) and stops
+the engine.
+
+NOTE: the waiting is ours, not aiohttp's `shutdown_timeout`: aiohttp waits that long for a handler, then
+cancels only the request's payload and waits as long again before cancelling the handler itself, so a stream
+got twice the timeout (~60 s for 30), and was then cut without its end (issue 34, item 11).
 """
 from __future__ import annotations
 
@@ -35,14 +43,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _LOADER = web.AppKey("engine_loader", asyncio.Task)
+HANDLER_GRACE_S = 2.0       # after the drain: for handlers to write what ends their answers, then aiohttp cancels
 
 
 def create_app(config: ServiceConfig) -> web.Application:
     # Outermost first: the access log sees every answer; errors raised by the cross-site and key
     # checks become OpenAI-shaped answers that the metrics count.
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[
-        access_log.access_log_middleware, metrics_middleware, error_middleware, cross_site.cross_site_middleware,
-        auth.auth_middleware])
+        _in_flight_middleware, access_log.access_log_middleware, metrics_middleware, error_middleware,
+        cross_site.cross_site_middleware, auth.auth_middleware])
     state = ServiceState(config)
     app[STATE] = state
     app[METRICS] = Metrics(state)
@@ -69,6 +78,7 @@ def create_app(config: ServiceConfig) -> web.Application:
     app.router.add_get("/openapi.json", openapi.handle)
     app.router.add_get("/", _index)
     app.router.add_static("/static", str(resources.files("service") / "static"))
+    app.on_shutdown.append(_drain)        # last: after the drain flag is up and idle WebSockets are closed
     return app
 
 
@@ -77,7 +87,7 @@ def server_options(config: ServiceConfig) -> dict[str, Any]:
 
     keepalive_timeout also bounds a connection that never completes its request headers (aiohttp
     starts the timer when the connection opens), so trickled headers cannot hold a connection forever."""
-    return {"handler_cancellation": True, "shutdown_timeout": config.shutdown_timeout, "access_log": None,
+    return {"handler_cancellation": True, "shutdown_timeout": HANDLER_GRACE_S, "access_log": None,
             "keepalive_timeout": config.keepalive_timeout}
 
 
@@ -167,3 +177,31 @@ def _build_engine(config: EngineConfig) -> AsyncEngine:
 
 async def _start_draining(app: web.Application) -> None:
     app[STATE].draining = True
+
+
+@web.middleware
+async def _in_flight_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Counts the handlers running (a stream or a WebSocket until it ends), for the drain."""
+    state = request.app[STATE]
+    state.in_flight += 1
+    try:
+        return await handler(request)
+    finally:
+        state.in_flight -= 1
+
+
+async def _drain(app: web.Application) -> None:
+    """Shutdown: running requests get `shutdown_timeout` s to finish; then the engine ends every generation still
+    running (its stream ends with a finish_reason and [DONE]) and the handlers get HANDLER_GRACE_S to say so."""
+    state = app[STATE]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.config.shutdown_timeout
+    while state.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if state.engine is None or not state.in_flight:
+        return
+    ended = state.engine.abort_all()
+    log.info("shutdown: %d requests still running after %g s were ended", ended, state.config.shutdown_timeout)
+    deadline = loop.time() + HANDLER_GRACE_S
+    while state.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)

@@ -37,6 +37,7 @@ class ServiceState:
     engine: AsyncEngine | None = None     # None while the model loads (warming)
     load_error: str | None = None         # set when loading the model failed
     draining: bool = False                # SIGTERM received: finish running streams, take no new ones
+    in_flight: int = 0                    # handlers running (service/app.py counts them, for the drain)
     registry: PrefixRegistry | None = None  # set with the engine, once every registered prefix is warm
     tokenizers: TokenizerThreads = field(init=False, repr=False)
     _token_text: TokenText | None = field(default=None, repr=False)

@@ -9,6 +9,9 @@ Invariants
   process and would not).
 - A block is evictable iff `ref_count == 0 and pin_count == 0`; exactly the evictable blocks are in
   the free queue. Pinned blocks never enter it.
+- Pins are capped twice, all or nothing: `max_pinned_blocks` distinct pinned blocks in all, and
+  `max_pinned_per_owner` distinct blocks pinned by one owner (an opaque key: a tenant). A block pinned by
+  several owners counts for each; one pinned twice by one owner (two prefixes sharing a start) counts once.
 - Lazy eviction: a freed block keeps its hash (and stays findable) until `allocate` hands its memory
   out again; only then is the hash dropped.
 - Events: when a `BlockEvents` sink is given, every change to the set of cached hashes is reported to
@@ -85,7 +88,7 @@ def hash_blocks(fingerprint: str, token_ids: Sequence[int], block_size: int,
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "pin_count", "block_hash", "parent", "token_ids", "prev", "next")
+    __slots__ = ("block_id", "ref_count", "pin_count", "block_hash", "parent", "token_ids", "prev", "next", "pinners")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -96,6 +99,7 @@ class Block:
         self.token_ids: tuple[int, ...] = ()    # kept for full blocks, to confirm a hash hit
         self.prev: Block | None = None
         self.next: Block | None = None
+        self.pinners: dict[str, int] | None = None     # owner -> its pins of this block (owned pins only)
 
     @property
     def evictable(self) -> bool:
@@ -163,6 +167,10 @@ class PinCapError(Exception):
     pass
 
 
+class PinShareError(PinCapError):
+    """The owner's share of the pinned blocks would be exceeded (the cap of all pins may not be)."""
+
+
 @dataclass(frozen=True)
 class PoolStats:
     total: int
@@ -174,7 +182,8 @@ class PoolStats:
 
 class BlockPool:
     def __init__(self, num_blocks: int, max_pinned_blocks: int | None = None,
-                 events: BlockEvents | None = None, spill: Spill | None = None) -> None:
+                 events: BlockEvents | None = None, spill: Spill | None = None,
+                 max_pinned_per_owner: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -182,6 +191,8 @@ class BlockPool:
         self.cached: dict[BlockHash, Block] = {}
         self.max_pinned_blocks = num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
         self.num_pinned = 0
+        self.max_pinned_per_owner = self.max_pinned_blocks if max_pinned_per_owner is None else max_pinned_per_owner
+        self.pinned_by: dict[str, int] = {}        # owner -> distinct blocks it pins (Block.pinners)
         self.events = events
         self.spill = spill
 
@@ -311,13 +322,27 @@ class BlockPool:
         return dropped
 
     # -- pinning ------------------------------------------------------------------------------
-    def pin(self, blocks: Sequence[Block]) -> None:
-        """Pin every block once more, all or nothing: over the cap nothing changes."""
-        newly = len({b.block_id for b in blocks if b.pin_count == 0})
+    def new_pins(self, blocks: Sequence[Block | None], owner: str = "") -> tuple[int, int]:
+        """(blocks not pinned yet, blocks `owner` does not pin yet) among `blocks` (None: not cached yet)."""
+        newly = {b.block_id if b is not None else -i - 1 for i, b in enumerate(blocks)
+                 if b is None or b.pin_count == 0}
+        mine = {b.block_id if b is not None else -i - 1 for i, b in enumerate(blocks)
+                if b is None or not (b.pinners and b.pinners.get(owner))} if owner else set()
+        return len(newly), len(mine)
+
+    def pin(self, blocks: Sequence[Block], owner: str = "") -> None:
+        """Pin every block once more, for `owner` ("": nobody's), all or nothing: over the cap, or over the
+        owner's share, nothing changes (PinShareError for the share)."""
+        newly, mine = self.new_pins(blocks, owner)
         if self.num_pinned + newly > self.max_pinned_blocks:
             raise PinCapError(
                 f"pinning {newly} more blocks would exceed the cap of {self.max_pinned_blocks} pinned "
                 f"blocks ({self.num_pinned} already pinned)")
+        held = self.pinned_by.get(owner, 0)
+        if owner and held + mine > self.max_pinned_per_owner:
+            raise PinShareError(
+                f"pinning {mine} more blocks would exceed this tenant's share of {self.max_pinned_per_owner} pinned "
+                f"blocks ({held} pinned by it already)")
         for block in blocks:
             assert block.block_hash is not None, "only full, hashed blocks can be pinned"
             if block.evictable:
@@ -325,10 +350,29 @@ class BlockPool:
             if block.pin_count == 0:
                 self.num_pinned += 1
             block.pin_count += 1
+            if owner:
+                pinners = block.pinners = block.pinners or {}
+                if not pinners.get(owner):
+                    self.pinned_by[owner] = self.pinned_by.get(owner, 0) + 1
+                pinners[owner] = pinners.get(owner, 0) + 1
 
-    def unpin(self, blocks: Sequence[Block]) -> None:
+    def unpin(self, blocks: Sequence[Block], owner: str = "") -> None:
+        """Drops one pin of `owner` from each block (one it pinned with `pin(blocks, owner)`); all or nothing."""
+        if owner and any(not (b.pinners and b.pinners.get(owner)) for b in blocks):
+            raise ValueError(f"a block is not pinned by {owner!r}")
         for block in reversed(blocks):
             assert block.pin_count > 0, f"unpin of unpinned {block}"
+            if owner:
+                pinners = block.pinners
+                assert pinners is not None
+                pinners[owner] -= 1
+                if not pinners[owner]:
+                    del pinners[owner]
+                    self.pinned_by[owner] -= 1
+                    if not self.pinned_by[owner]:
+                        del self.pinned_by[owner]
+                if not pinners:
+                    block.pinners = None
             block.pin_count -= 1
             if block.pin_count == 0:
                 self.num_pinned -= 1

@@ -1,16 +1,16 @@
 """Structured output: constrained decoding with xgrammar.
 
-A request's `StructuredSpec` (JSON, a JSON schema, a regex, a choice, or an EBNF grammar) compiles once
-per distinct spec (`Grammars`): on a grammar thread of the async engine, first in a child process that is
-killed at `grammar_compile_timeout` or when the client leaves (grammar_probe.py), then here; a bad spec,
-one too slow to compile, or one that admits no output at all is a 400 before the request reaches the
-engine. Compiled grammars are kept in a bounded LRU cache (grammar_cache.py); the request carries its own
-grammar to the engine thread, which never compiles. Each constrained sequence gets a matcher when it first
-samples; every step, the constrained rows of the batch get their allowed-token bitmask filled and applied
-to their logits (unconstrained rows are not touched), and the sampled token advances the matcher. EOS is
-allowed only where the grammar may end; a grammar that ended ends the sequence, even before min_tokens. A
-grammar that reaches a rule that can never finish ends its request with a 400-class error. Forks (n > 1)
-fork the matcher; preemption needs nothing (the matcher follows tokens, not KV).
+A request's `StructuredSpec` (JSON, a JSON schema, a regex, a choice, or an EBNF grammar) compiles once per
+distinct spec (`Grammars`): on a grammar thread of the async engine, first in a child process that is killed
+once it used `grammar_compile_timeout` seconds of CPU time, or when the client leaves (grammar_probe.py), then
+here; a bad spec, one too slow to compile, or one that admits no output at all is a 400 before the request
+reaches the engine. Compiled grammars are kept in a bounded LRU cache (grammar_cache.py); the request carries
+its own grammar to the engine thread, which never compiles. Each constrained sequence gets a matcher when it
+first samples; every step, the constrained rows of the batch get their allowed-token bitmask filled and
+applied to their logits (unconstrained rows are not touched), and the sampled token advances the matcher. EOS
+is allowed only where the grammar may end; a grammar that ended ends the sequence, even before min_tokens. A
+grammar that reaches a rule that can never finish ends its request with a 400-class error. Forks (n > 1) fork
+the matcher; preemption needs nothing (the matcher follows tokens, not KV).
 
 Why xgrammar over llguidance, measured on this 2-core CPU with SmolLM2's 49,152-token vocabulary and a
 4-field JSON schema (36-token answer): mask 9 us per token median (llguidance 41 us), schema compile
@@ -80,10 +80,15 @@ class Grammars:
         if spec.kind != "json":             # one fixed grammar: nothing a client can make slow
             try:
                 error = self._probe.check(spec.kind, spec.value, self.compile_timeout, cancelled)
-            except CompileTimedOut:
-                raise InvalidRequest(f"{what} did not compile within {self.compile_timeout:g} s (the server's "
-                                     "--grammar-compile-timeout); simplify it (fewer length-bounded strings, "
-                                     "smaller bounds)", param=spec.param) from None
+            except CompileTimedOut as exc:
+                if exc.busy:
+                    used = f"{exc.cpu_seconds:.1f}" if exc.cpu_seconds is not None else "an unknown number of"
+                    raise InvalidRequest(f"{what} did not compile within {exc}; it had used {used} s of the "
+                                         f"{self.compile_timeout:g} s of CPU time it may (--grammar-compile-timeout). "
+                                         "Retry later", param=spec.param) from None
+                raise InvalidRequest(f"{what} did not compile within {self.compile_timeout:g} s of CPU time (the "
+                                     "server's --grammar-compile-timeout); simplify it (fewer length-bounded "
+                                     "strings, smaller bounds)", param=spec.param) from None
             if error is not None:
                 raise InvalidRequest(f"{what} does not compile: {error}", param=spec.param)
         try:

@@ -20,7 +20,7 @@ import torch
 from engine.kv.block_manager import BlockManager
 from engine.sched.beam_search import BeamSearch
 from engine.sched.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence, SequenceGroup
+from engine.sequence import SamplingParams, Sequence, SequenceGroup, Status
 
 
 class NewSeq(Protocol):
@@ -40,6 +40,7 @@ class Forks:
         child = self.new_seq(group.request_id, parent.token_ids, parent.params, parent.max_tokens, index,
                              prompt_len=prompt_len, arrival=parent.arrival)
         child.num_computed, child.num_cached_tokens = parent.num_computed, parent.num_cached_tokens
+        child.tenant = parent.tenant
         self.manager.fork(parent.seq_id, child.seq_id)
         self.scheduler.add_running(child)
         child.group = group
@@ -51,6 +52,19 @@ class Forks:
         children = [self._fork(group, parent, index, None) for index in range(1, group.best_of)]
         group.seqs.extend(children)
         return children
+
+    def end_unsampled(self, group: SequenceGroup, parent: Sequence) -> None:
+        """max_tokens 0 (a scoring or cache-writing prefill) with n, best_of or beams > 1: nothing is sampled, so
+        every other sample (or beam) is the same empty completion as the first. They are made finished, never
+        running: no seat, no block, no fork. Without them the request would wait forever for samples that
+        nothing forks (issue 34, item 4)."""
+        group.forked = True
+        for index in range(1, group.best_of):
+            child = self.new_seq(group.request_id, parent.token_ids, parent.params, 0, index,
+                                 prompt_len=parent.num_prompt_tokens, arrival=parent.arrival)
+            child.num_computed, child.num_cached_tokens = parent.num_computed, parent.num_cached_tokens
+            child.status, child.finish_reason, child.group = Status.FINISHED, "length", group
+            group.seqs.append(child)
 
     def start_beam_search(self, group: SequenceGroup, eos_token_ids: frozenset[int]) -> None:
         params = group.params

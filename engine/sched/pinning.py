@@ -8,10 +8,11 @@ offline API and the async engine alike.
       └────► FAILED                  over the pinned-block cap, prefix caching off, or a bad prompt
 
 Ownership: a job's pins belong to the job until its starter calls `release(job_id, keep=True)`, which
-hands them over (they are then undone with `unpin(token_ids)`); `release(job_id, keep=False)` undoes
+hands them over (they are then undone with `unpin(token_ids, salt, tenant)`); `release(job_id, keep=False)` undoes
 whatever the job did (aborts its computation, or unpins). So a starter that goes away at any point
 (a cancelled HTTP handler) releases with keep=False and nothing stays pinned. A pin is all or nothing:
-over the cap, no block is pinned.
+over the cap, or over its tenant's share of the cap (`pinned_tenant_fraction`; a job with a tenant key), no
+block is pinned.
 
 NOTE: runs on the thread that owns the core. The prefix is hashed once per job.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 from engine.core import EngineCore
 from engine.errors import CapacityExceeded, EngineError, InvalidRequest, PinCapExceeded
-from engine.kv.block_pool import Block, BlockHash, CacheSalt, PinCapError
+from engine.kv.block_pool import Block, BlockHash, CacheSalt, PinCapError, PinShareError
 from engine.outputs import PinnedPrefix
 from engine.sequence import SamplingParams, SequenceGroup
 
@@ -38,6 +39,7 @@ class PinJob:
     job_id: str
     token_ids: list[int]
     salt: CacheSalt = ()
+    tenant: str = ""                       # whose pin it is: an opaque key, held to its share ("": the cap only)
     hashes: list[BlockHash] = field(default_factory=list)
     state: PinState = PinState.COMPUTING
     request_id: str | None = None          # the prefill computing it, while COMPUTING
@@ -55,10 +57,11 @@ class PinStateMachine:
         self.jobs: dict[str, PinJob] = {}
         self._by_request: dict[str, PinJob] = {}
 
-    def start(self, job_id: str, token_ids: list[int], salt: CacheSalt = ()) -> PinJob:
-        """`salt`: what the prefix's hashes mix in (block_pool.CacheSalt); requests hit it only with the same."""
+    def start(self, job_id: str, token_ids: list[int], salt: CacheSalt = (), tenant: str = "") -> PinJob:
+        """`salt`: what the prefix's hashes mix in (block_pool.CacheSalt); requests hit it only with the same.
+        `tenant`: whose pin it is (its computation is scheduled as that tenant's, and it counts in its share)."""
         assert job_id not in self.jobs, f"pin job {job_id!r} exists"
-        job = PinJob(job_id, list(token_ids), tuple(salt))
+        job = PinJob(job_id, list(token_ids), tuple(salt), tenant)
         self.jobs[job_id] = job
         core = self.core
         try:
@@ -67,16 +70,19 @@ class PinStateMachine:
             job.hashes = core.manager.block_hashes(job.token_ids, salt=job.salt)
             blocks = core.manager.cached_blocks(job.token_ids, job.hashes)
             pool = core.pool
-            new = sum(1 for b in blocks if b is None or b.pin_count == 0)
+            new, mine = pool.new_pins(blocks, tenant)
             if pool.num_pinned + new > pool.max_pinned_blocks:
                 raise PinCapExceeded(
                     f"pinning this prefix needs {new} more KV blocks, over the cap of {pool.max_pinned_blocks} "
                     f"pinned blocks ({pool.num_pinned} already pinned); nothing was pinned", param="prompt")
+            held = pool.pinned_by.get(tenant, 0)
+            if tenant and held + mine > pool.max_pinned_per_owner:
+                raise PinCapExceeded(self._share_message(mine, held), param="prompt")
             if all(b is not None for b in blocks):
                 self._pin(job, blocks)          # type: ignore[arg-type]
                 return job
             request = core.make_request(f"pin-{job_id}", job.token_ids,
-                                        SamplingParams(max_tokens=0, temperature=0.0, cache_salt=job.salt))
+                                        SamplingParams(max_tokens=0, temperature=0.0, cache_salt=job.salt), tenant)
             core.add(request)
             job.request_id = request.request_id
             self._by_request[request.request_id] = job
@@ -107,11 +113,23 @@ class PinStateMachine:
         assert all(b is not None for b in blocks), "a just-computed prefix lost a block"
         try:
             self._pin(job, blocks)              # type: ignore[arg-type]
+        except PinShareError:                   # its tenant's other pins took its share while it computed
+            pool = self.core.pool
+            _, mine = pool.new_pins(blocks, job.tenant)
+            job.state = PinState.FAILED
+            job.error = PinCapExceeded(self._share_message(mine, pool.pinned_by.get(job.tenant, 0)), param="prompt")
         except PinCapError as exc:              # other pins took the room while this one computed
             job.state, job.error = PinState.FAILED, PinCapExceeded(str(exc), param="prompt")
 
+    def _share_message(self, more: int, held: int) -> str:
+        pool, fraction = self.core.pool, self.core.config.pinned_tenant_fraction
+        return (f"pinning this prefix needs {more} more KV blocks, over this tenant's share of "
+                f"{pool.max_pinned_per_owner} pinned blocks ({held} pinned by its prefixes and leases already; "
+                f"the share is --pinned-tenant-fraction {fraction:g} of the cap of {pool.max_pinned_blocks}); "
+                "nothing was pinned: delete one of its prefixes first")
+
     def _pin(self, job: PinJob, blocks: list[Block]) -> None:
-        self.core.pool.pin(blocks)
+        self.core.pool.pin(blocks, job.tenant)
         if self.core.tier is not None:
             self.core.tier.persist(blocks)      # a restart (or another replica) restores it from there
         job.state = PinState.PINNED
@@ -127,16 +145,17 @@ class PinStateMachine:
             self.core.abort(job.request_id)
         elif job.state is PinState.PINNED:
             blocks = self.core.manager.cached_blocks(job.token_ids, job.hashes)
-            self.core.pool.unpin(blocks)        # type: ignore[arg-type]
+            self.core.pool.unpin(blocks, job.tenant)    # type: ignore[arg-type]
 
-    def unpin(self, token_ids: list[int], salt: CacheSalt = (), forget: bool = False) -> int:
-        """Drops one pin from each full block of a prefix pinned before; 0 (nothing done) if it is not.
-        `forget` (a deleted prefix): the blocks no other pin holds leave the KV tier, and the cache too where
-        no request uses them, so that a deleted prompt does not stay on disk."""
+    def unpin(self, token_ids: list[int], salt: CacheSalt = (), tenant: str = "", forget: bool = False) -> int:
+        """Drops one pin (of `tenant`, as it was pinned) from each full block of a prefix pinned before; 0
+        (nothing done) if it is not. `forget` (a deleted prefix): the blocks no other pin holds leave the KV
+        tier, and the cache too where no request uses them, so that a deleted prompt does not stay on disk."""
         blocks = self.core.manager.cached_blocks(token_ids, salt=salt)
-        if any(b is None or b.pin_count == 0 for b in blocks):
+        if any(b is None or b.pin_count == 0 or tenant and not (b.pinners and b.pinners.get(tenant))
+               for b in blocks):
             return 0
-        self.core.pool.unpin(blocks)            # type: ignore[arg-type]
+        self.core.pool.unpin(blocks, tenant)    # type: ignore[arg-type]
         tier = self.core.tier
         if forget and tier is not None:
             loose = [b for b in blocks if b is not None and b.pin_count == 0]

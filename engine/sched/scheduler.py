@@ -1,16 +1,21 @@
 """Iteration-level (continuous) batching with chunked prefill and preemption by recompute.
 
 Each step, in this order, under the budgets `max_num_seqs` and `max_num_batched_tokens`:
-  1. running decodes (one token each, oldest first). A decode that cannot get a block preempts the
-     youngest running sequence (its blocks freed, requeued at the front of `waiting`);
-  2. running sequences still in a chunked prefill, with the tokens left in the budget (a smaller chunk
-     when blocks are short; with no block at all, the youngest running sequence is preempted);
-  3. waiting sequences, first come first served: their prompt is looked up in the prefix cache and
-     only the rest is scheduled (a chunk of it if the budget is short); one whose next prompt block
-     another running sequence is computing waits for it (in-flight dedupe) and lets the next ones go;
-     so does one whose next blocks the KV tier holds (engine/kv/tier/): it waits while they load, and
-     the loaded blocks become cached blocks it hits, installed at the start of this phase.
-A sequence samples a token in a step iff that step's chunk reaches its last token.
+  1. running decodes (one token each, oldest first). A decode that cannot get a block preempts a victim (its
+     blocks freed, requeued at the front of its tenant's queue): the youngest running sequence of the tenant
+     that runs the most;
+  2. tenants with work waiting and nothing running ("starved"), in turn order: each one's first request is
+     admitted, and if the seats or the blocks are short, victims of the other tenants that run two or more
+     (as in 1) are preempted for it. So a tenant waits for another tenant's running requests to end only where
+     each runs just one;
+  3. running sequences still in a chunked prefill, with the tokens left in the budget (a smaller chunk
+     when blocks are short; with no block at all, a victim is preempted);
+  4. waiting sequences, round-robin between tenants, first come first served within one (engine/sched/
+     queues.py): their prompt is looked up in the prefix cache and only the rest is scheduled (a chunk of it
+     if the budget is short); one whose next prompt block another running sequence is computing waits for it
+     (in-flight dedupe) and lets the next ones go.
+A sequence samples a token in a step iff that step's chunk reaches its last token. A tenant is an opaque key
+on each request (`Sequence.tenant`, "" by default): with one tenant, 2 never preempts and 4 is plain FCFS.
 
 Beam groups move as a unit: a beam search steps only once every live beam has its logits, so a beam left
 waiting would hold its running siblings (their seats and blocks) forever. Preempting a beam preempts its
@@ -20,11 +25,11 @@ all. A request never has more samples or beams than `max_num_seqs` (refused when
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.kv.block_manager import BlockManager, PrefixHit
+from engine.sched.queues import TenantQueues, pick_victim
 from engine.sequence import Sequence, Status
 
 if TYPE_CHECKING:
@@ -57,7 +62,7 @@ class Scheduler:
         self.tier = tier
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = TenantQueues()
         self.running: list[Sequence] = []          # kept sorted by arrival (oldest first)
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
@@ -98,7 +103,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING or seq.num_tokens - seq.num_computed != 1:
                 continue
             while not self.manager.grow(seq.seq_id, seq.num_computed + 1, write_from=seq.num_computed):
-                budget += self._preempt(self._youngest_unscheduled(scheduled_ids), out, scheduled_ids)
+                budget += self._preempt(self._victim_unscheduled(scheduled_ids), out, scheduled_ids)
                 if seq.status is not Status.RUNNING:     # it was the victim, or a beam of the victim's group
                     break
             if seq.status is Status.RUNNING:
@@ -106,7 +111,10 @@ class Scheduler:
                 scheduled_ids.add(seq.seq_id)
                 budget -= 1
 
-        # 2. running sequences in the middle of a chunked prefill.
+        # 2. starved tenants: their first request, preempting other tenants' sequences for room if need be.
+        budget = self._admit_starved(budget, out, scheduled_ids)
+
+        # 3. running sequences in the middle of a chunked prefill.
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -116,7 +124,7 @@ class Scheduler:
             # Short of blocks: a smaller chunk; no room at all: preempt the youngest (maybe this one),
             # or sequences mid-prefill could hold each other's memory forever.
             while (room := self.manager.growable_tokens(seq.seq_id, seq.num_computed) - seq.num_computed) <= 0:
-                budget += self._preempt(self._youngest_unscheduled(scheduled_ids), out, scheduled_ids)
+                budget += self._preempt(self._victim_unscheduled(scheduled_ids), out, scheduled_ids)
                 if seq.status is not Status.RUNNING:
                     break
             if seq.status is not Status.RUNNING:
@@ -129,33 +137,31 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
 
-        # 3. waiting sequences, FCFS: the head blocks the rest (no overtaking), except a sequence whose next
-        #    uncached prompt block another running sequence is computing right now (in-flight dedupe): it
-        #    waits for that block instead of computing it again, and the ones behind it go first. Not in a
-        #    step that had to preempt: memory is short, admitting more would only thrash.
-        deferred: list[Sequence] = []
+        # 4. waiting sequences, round-robin between tenants and FCFS within one: the head of the tenant whose
+        #    turn it is blocks the rest (no overtaking), except a sequence whose next uncached prompt block
+        #    another running sequence is computing right now (in-flight dedupe): it waits for that block
+        #    instead of computing it again, and the ones behind it go first. Not in a step that had to
+        #    preempt: memory is short, admitting more would only thrash.
+        deferred: set[int] = set()
         if self.tier is not None and self.waiting:
             self.tier.install_finished(self.manager.pool, keep_free=self.watermark)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+            head = self.waiting.next(deferred)
+            if head is None:
+                break
+            seq = head
             unit = self._unit(seq)
             if len(self.running) + len(unit) > self.max_num_seqs:
                 break
             hit = self._lookup(seq)
             if len(unit) == 1 and (self._waits_for_tier(seq, hit) or self._waits_for_inflight(seq, hit)):
-                deferred.append(self.waiting.popleft())
+                deferred.add(seq.seq_id)
                 continue
-            admitted: list[Sequence] = []
-            for member in unit:
-                took = self._admit(member, budget, out, scheduled_ids, hit if member is seq else None)
-                if took is None:
-                    break
-                admitted.append(member)
+            took = self._admit_unit(unit, seq, hit, budget, out, scheduled_ids)
+            if took is not None:
                 budget -= took
-            if len(admitted) == len(unit):
+                self.waiting.served(seq.tenant)
                 continue
-            for member in reversed(admitted):      # a beam group comes back whole or not at all
-                budget += self._unadmit(member, out, scheduled_ids)
             if not self.running and not out.scheduled:
                 # Nothing runs that could free blocks: this one can never fit.
                 for member in unit:
@@ -164,11 +170,63 @@ class Scheduler:
                     out.failed.append(member)
                 continue
             break
-        self.waiting.extendleft(reversed(deferred))        # back at the front, in their order
 
         out.copies = self.manager.pending_copies
         self.manager.pending_copies = []
         return out
+
+    def _admit_starved(self, budget: int, out: SchedulerOutput, scheduled_ids: set[int]) -> int:
+        """Phase 2 (the module docstring): each tenant with work waiting and nothing running gets its first
+        request admitted now, other tenants' youngest sequences preempted for its seats and blocks if need be.
+        Returns the budget left."""
+        tenants = self.waiting.tenants()
+        if len(tenants) < 2 and not any(s.tenant not in tenants for s in self.running):
+            return budget                       # one tenant: nothing to be fair between (phase 4 is FCFS)
+        running = {s.tenant for s in self.running}
+        for tenant in tenants:
+            if budget <= 0:
+                break
+            if tenant in running:
+                continue
+            seq = self.waiting.queue(tenant)[0]
+            unit = self._unit(seq)
+            hit = self._lookup(seq)
+            if len(unit) == 1 and self._waits_for_inflight(seq, hit):
+                continue                        # its block is being computed: it is not starved of it
+            took: int | None = None
+            while True:
+                if len(self.running) + len(unit) <= self.max_num_seqs:
+                    took = self._admit_unit(unit, seq, hit, budget, out, scheduled_ids)
+                    if took is not None:
+                        break
+                # NOTE: only a tenant running two or more gives one up: one that runs a single sequence keeps it, or
+                # two tenants short of room would take each other's seat every step (neither getting anywhere)
+                victim = self._victim(scheduled_ids, exclude=tenant, keep_one=True)
+                if victim is None:
+                    break
+                budget += self._preempt(victim, out, scheduled_ids)
+            if took is not None:
+                budget -= took
+                running.add(tenant)
+                self.waiting.served(tenant)
+        return budget
+
+    def _admit_unit(self, unit: list[Sequence], seq: Sequence, hit: PrefixHit, budget: int, out: SchedulerOutput,
+                    scheduled_ids: set[int]) -> int | None:
+        """Admits `seq`'s unit whole (a beam group) or not at all; the tokens it scheduled, or None."""
+        admitted: list[Sequence] = []
+        took = 0
+        for member in unit:
+            n = self._admit(member, budget - took, out, scheduled_ids, hit if member is seq else None)
+            if n is None:
+                break
+            admitted.append(member)
+            took += n
+        if len(admitted) == len(unit):
+            return took
+        for member in reversed(admitted):      # a beam group comes back whole or not at all
+            self._unadmit(member, out, scheduled_ids)
+        return None
 
     def _unit(self, seq: Sequence) -> list[Sequence]:
         """What is admitted together with `seq`: the waiting beams of its group (a beam search steps only when
@@ -177,7 +235,7 @@ class Scheduler:
         group = seq.group
         if group is None or group.beam is None or len(group.seqs) < 2:
             return [seq]
-        return [s for s in self.waiting if s.group is group]
+        return [s for s in self.waiting.queue(seq.tenant) if s.group is group]
 
     def _lookup(self, seq: Sequence) -> PrefixHit:
         if self.manager.enable_prefix_caching:
@@ -261,11 +319,15 @@ class Scheduler:
         owner = self.manager.in_flight(seq.block_hashes[nxt])
         return owner is not None and owner != seq.seq_id
 
-    def _youngest_unscheduled(self, scheduled_ids: set[int]) -> Sequence:
-        for seq in reversed(self.running):
-            if seq.seq_id not in scheduled_ids:
-                return seq
-        raise AssertionError("a sequence being scheduled is always unscheduled")
+    def _victim(self, scheduled_ids: set[int], exclude: str | None = None, unscheduled_only: bool = False,
+                keep_one: bool = False) -> Sequence | None:
+        return pick_victim(self.running, scheduled_ids if unscheduled_only else (), exclude, keep_one)
+
+    def _victim_unscheduled(self, scheduled_ids: set[int]) -> Sequence:
+        victim = self._victim(scheduled_ids, unscheduled_only=True)
+        if victim is None:
+            raise AssertionError("a sequence being scheduled is always unscheduled")
+        return victim
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, scheduled_ids: set[int]) -> int:
         """Preemption by recompute: free every block; prompt + output so far is recomputed later

@@ -52,7 +52,7 @@ class Usage:
 class Generation:
     def __init__(self, engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
                  metrics: Metrics, on_finish: Callable[[Usage], None] | None = None,
-                 echo: list[str] | None = None, hidden: list[int] | None = None) -> None:
+                 echo: list[str] | None = None, hidden: list[int] | None = None, tenant: str = "") -> None:
         self.id = uuid.uuid4().hex
         self.created = int(time.time())
         self.prompts = prompts
@@ -77,6 +77,7 @@ class Generation:
         self._echoed: set[int] = set()            # choices whose first delta carried the prompt
         # per prompt, its leading tokens the caller may not see (a named prefix's: pipeline.Prepared.hidden)
         self._hidden = hidden or [0] * len(prompts)
+        self._tenant = tenant                     # the caller's tenant: the engine's scheduler is fair between them
 
     def shown_prompt(self, i: int) -> list[int]:
         """Prompt i's tokens as the caller may see them (what echo, prompt token ids and logprobs show)."""
@@ -97,10 +98,10 @@ class Generation:
     @classmethod
     async def begin(cls, engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, metrics: Metrics,
                     on_finish: Callable[[Usage], None] | None = None, echo: list[str] | None = None,
-                    hidden: list[int] | None = None) -> Generation:
+                    hidden: list[int] | None = None, tenant: str = "") -> Generation:
         """A Generation, started: every engine request admitted (else the first refusal is raised and
         nothing is left running)."""
-        gen = cls(engine, prompts, params, metrics, on_finish, echo, hidden)
+        gen = cls(engine, prompts, params, metrics, on_finish, echo, hidden, tenant)
         await gen.start()
         return gen
 
@@ -110,7 +111,8 @@ class Generation:
         try:
             for i, ids in enumerate(self.prompts):
                 rid = f"{self.id}-{i}"
-                self._stream = self._engine.add(ids, self._params, request_id=rid, stream=self._stream)
+                self._stream = self._engine.add(ids, self._params, request_id=rid, stream=self._stream,
+                                                tenant=self._tenant)
                 self._prompt_of[rid] = i
             assert self._stream is not None
             await self._stream.accepted()

@@ -283,13 +283,14 @@ async def submit(prepared: Prepared, metrics: Metrics) -> Generation:
     """A prepared request's Generation, its engine requests admitted (else the refusal is raised and
     nothing is left running). The caller closes it."""
     return await Generation.begin(prepared.ready.engine, prepared.prompts, prepared.req.params, metrics,
-                                  _on_finish(prepared), echo=prepared.echo, hidden=prepared.hidden)
+                                  _on_finish(prepared), echo=prepared.echo, hidden=prepared.hidden,
+                                  tenant=prepared.caller.tenant or "")
 
 
 def generation(prepared: Prepared, metrics: Metrics) -> Generation:
     """The same, not started (the WebSocket starts it itself, so that a cancel can reach it at once)."""
     return Generation(prepared.ready.engine, prepared.prompts, prepared.req.params, metrics, _on_finish(prepared),
-                      echo=prepared.echo, hidden=prepared.hidden)
+                      echo=prepared.echo, hidden=prepared.hidden, tenant=prepared.caller.tenant or "")
 
 
 def _echo(prepared: Prepared, tokenizer: Any) -> list[str]:

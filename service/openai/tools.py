@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,15 +70,100 @@ def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
 
 
 def calls_from_named(tool: Tool, text: str) -> list[ToolCallOut]:
-    return [ToolCallOut(tool.function.name, _canonical(json.loads(text)), new_call_id())]
+    return [ToolCallOut(tool.function.name, _canonical(_load(text, 0)), new_call_id())]
 
 
 def calls_from_required(text: str) -> list[ToolCallOut]:
-    return [ToolCallOut(item["name"], _canonical(item["parameters"]), new_call_id()) for item in json.loads(text)]
+    return [ToolCallOut(item["name"], _canonical(item["parameters"]), new_call_id()) for item in _load(text, 2)]
 
 
 def _canonical(arguments: Any) -> str:
+    if isinstance(arguments, Deep):
+        return str(arguments)
     return json.dumps(arguments, ensure_ascii=False)
+
+
+class Deep(str):
+    """A JSON value's text, kept as it came: it nests deeper than json.loads goes (about 1,000 levels, then a
+    RecursionError; a forced call's arguments may nest that deep: issue 34, item 10)."""
+
+
+# json's own string scanner (the C one): not in typeshed's stubs, part of the module since Python 2.6
+scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+_SCALAR = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|true|false|null")
+_CLOSES = {"]": "[", "}": "{"}
+
+
+def _load(text: str, levels: int) -> Any:
+    """json.loads, except for a text nesting deeper than it goes: that one is read `levels` containers down by
+    `_members` (a scan that does not recurse), and each value there that is still too deep is kept as a `Deep`.
+    Raises ValueError for text that is not one JSON value (cut short by max_tokens, say)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        top, members = _members(text)
+        if levels == 0:
+            return Deep(text.strip())
+        values = [(key, _load(value, levels - 1)) for key, value in members]
+        return [v for _, v in values] if top == "[" else {key: v for key, v in values}
+
+
+def _members(text: str) -> tuple[str, list[tuple[str | None, str]]]:
+    """The top container of JSON `text` ("[" or "{") and its members: (key, or None in an array; the value's
+    text), found by one pass over the tokens with a stack of open brackets (no recursion, however deep).
+    Checks the tokens, the brackets' pairing and that nothing follows; raises ValueError otherwise."""
+    stack: list[str] = []
+    members: list[tuple[str | None, str]] = []
+    key: str | None = None
+    start = -1                   # where the member value being read began (a container at depth 1)
+    after = ""                   # the last token at depth 1: ",", ":", "[" or "{" (a string after ":" is a value)
+    i, n, end = 0, len(text), -1
+    while i < n:
+        c = text[i]
+        if c in " \t\r\n":
+            i += 1
+            continue
+        if end >= 0:
+            raise ValueError("text after the JSON value")
+        if c in "[{":
+            if len(stack) == 1:
+                start = i
+            stack.append(c)
+            after = c
+            i += 1
+        elif c in "]}":
+            if not stack or stack.pop() != _CLOSES[c]:
+                raise ValueError("brackets that do not pair")
+            i += 1
+            if len(stack) == 1:
+                members.append((key, text[start:i]))
+                key = None
+            elif not stack:
+                end = i
+        elif not stack:
+            raise ValueError("not a JSON container")
+        elif c in ",:":
+            after = c if len(stack) == 1 else after
+            i += 1
+        else:
+            if c == '"':
+                value, j = scanstring(text, i + 1)
+            else:
+                m = _SCALAR.match(text, i)
+                if m is None:
+                    raise ValueError(f"not JSON at character {i}")
+                value, j = m.group(), m.end()
+            if len(stack) == 1:
+                if stack[0] == "{" and after != ":":
+                    key = value
+                else:
+                    members.append((key, text[i:j]))
+                    key = None
+                after = "value"
+            i = j
+    if end < 0:
+        raise ValueError("the JSON value is cut short")
+    return text.lstrip()[0], members
 
 
 def parse_auto(text: str, tool_names: set[str]) -> tuple[str | None, list[ToolCallOut]]:
@@ -104,7 +190,7 @@ def parse_auto(text: str, tool_names: set[str]) -> tuple[str | None, list[ToolCa
 def _calls(body: str, keys: tuple[str, ...], tool_names: set[str]) -> list[ToolCallOut]:
     """The calls in one tag's body: an object, or a list of them (the valid ones)."""
     try:
-        obj = json.loads(body)
+        obj = _load(body, 2 if body.lstrip().startswith("[") else 1)
     except ValueError:
         return []
     items = obj if isinstance(obj, list) else [obj]
@@ -113,7 +199,7 @@ def _calls(body: str, keys: tuple[str, ...], tool_names: set[str]) -> list[ToolC
 
 def _call(body: str, keys: tuple[str, ...], tool_names: set[str]) -> ToolCallOut | None:
     try:
-        obj = json.loads(body)
+        obj = _load(body, 1)
     except ValueError:
         return None
     return _one(obj, keys, tool_names)
@@ -123,7 +209,7 @@ def _one(obj: Any, keys: tuple[str, ...], tool_names: set[str]) -> ToolCallOut |
     if not isinstance(obj, dict) or obj.get("name") not in tool_names:
         return None
     args: Any = next((obj[k] for k in keys if k in obj), {})
-    if not isinstance(args, dict):
+    if not isinstance(args, dict) and not (isinstance(args, Deep) and args.startswith("{")):
         return None
     return ToolCallOut(str(obj["name"]), _canonical(args), new_call_id())
 

@@ -22,9 +22,11 @@ generations go on. Closing the socket cancels the tasks.
 
 Bounds: one client (its API key, or its address when no keys are configured) holds at most
 `max_ws_per_client` sockets (the next upgrade gets 429 `too_many_websockets`, before the handshake); a
-socket with no generation running that receives no frame for `ws_idle_timeout` seconds is closed with
-code 4408 (ours, after HTTP's 408); a frame the client leaves unread for `write_timeout` seconds (its
-receive window full) aborts the connection, and with it every generation on it.
+socket with no generation running that receives no text frame for `ws_idle_timeout` seconds (pings and
+pongs do not count) is closed with code 4408 (ours, after HTTP's 408); a frame the client leaves unread
+for `write_timeout` seconds (its receive window full) aborts the connection, and with it every generation on
+it. A `generate` frame takes the tokenizer lane of a body of its length, and joins the burst gathering
+(AsyncEngine.arriving) as an HTTP request does.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ from service.tenants import caller_of
 class _Generation:
     gid: Any
     body: dict[str, Any]
+    size: int                   # the frame's length (characters): which tokenizer lane it takes
     task: asyncio.Task[None] | None = None
     gen: Generation | None = None
     cancelled: bool = False
@@ -83,9 +86,13 @@ class Session:
         self.last_active = loop.time()
         try:
             while True:
-                waited = loop.time() - self.last_active
+                # NOTE: our own timer, not receive(timeout=...): aiohttp restarts that one on every control frame
+                # it answers itself (a PONG to our heartbeat, a client's PING), so a socket that sent nothing but
+                # those was never idle (issue 34, item 7). Pings and pongs do not count as activity here.
+                deadline = loop.time() + idle if self.live else self.last_active + idle
                 try:
-                    msg = await self.ws.receive(timeout=idle if self.live else max(idle - waited, 0.001))
+                    async with asyncio.timeout_at(deadline):
+                        msg = await self.ws.receive()
                 except TimeoutError:
                     if self.live or loop.time() - self.last_active < idle:
                         continue
@@ -152,7 +159,7 @@ class Session:
                     429, f"at most {self.state.config.max_ws_generations} generations may run on one socket",
                     type="rate_limit_error", code="too_many_generations"))
                 return
-            live = _Generation(gid, frame)
+            live = _Generation(gid, frame, len(data))
             self.live[key] = live
             live.task = asyncio.create_task(self.generate(key, live))
         else:
@@ -162,8 +169,11 @@ class Session:
         gid = live.gid
         try:
             ready = self.state.ready()
-            prepared = await pipeline.prepare(ready, live.body, chat="messages" in live.body,
-                                              caller=caller_of(self.request))
+            # as an HTTP body: by its size on the small or the large bodies' tokenizer lane, and gathered with
+            # the requests arriving beside it into one step (AsyncEngine.arriving)
+            with ready.engine.arriving():
+                prepared = await pipeline.prepare(ready, live.body, chat="messages" in live.body,
+                                                  caller=caller_of(self.request), size=live.size)
             pipeline.ignored_fields(prepared.parsed.ignored)        # the log line (the done frame names them)
             gen = pipeline.generation(prepared, self.request.app[METRICS])
             live.gen, live.reasons = gen, [None] * gen.num_choices

@@ -386,7 +386,7 @@ async def test_a_failing_command_fails_its_request_not_the_engine(tiny_llama_dir
             raise KeyError("injected")
         output_add(group)
 
-    def broken_unpin(token_ids: list[int], salt: object = (), forget: bool = False) -> int:
+    def broken_unpin(token_ids: list[int], salt: object = (), tenant: str = "", forget: bool = False) -> int:
         raise ValueError("injected unpin fault")
     eng._engine.output.add = broken_add      # type: ignore[method-assign]
     eng._engine.unpin_prefix = broken_unpin  # type: ignore[method-assign]

@@ -5,6 +5,7 @@ total equal to what the registry accounts for, and the server still answering.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -420,7 +421,15 @@ def test_websockets_per_client_are_capped_and_idle_ones_closed(guarded: ServerPr
                 assert r.status == 429 and (await r.json())["error"]["code"] == "too_many_websockets"
             async with s.get(f"{guarded.url}/health") as r:
                 assert r.status == 200
-            # one socket keeps talking (a frame every 0.5 s, a generation); the two silent ones are closed
+            # one socket keeps talking (a frame every 0.5 s, a generation); the two silent ones are closed, the
+            # one that sends PINGs (answered by aiohttp, as a client's PONGs to our heartbeat are) too (issue 34,
+            # item 7: they restarted aiohttp's receive timeout, so such a socket was never idle)
+            async def ping(ws: aiohttp.ClientWebSocketResponse) -> None:
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    while not ws.closed:
+                        await ws.ping()
+                        await asyncio.sleep(0.3)
+            pinger = asyncio.create_task(ping(held[2]))
             t0 = time.monotonic()
             for i in range(6):
                 await held[0].send_json({"type": "generate", "id": i, "prompt": "hi", "max_tokens": 2})
@@ -428,8 +437,9 @@ def test_websockets_per_client_are_capped_and_idle_ones_closed(guarded: ServerPr
                     pass
                 await asyncio.sleep(0.5)
             for idle in held[1:]:
-                msg = await idle.receive(timeout=5)
+                msg = await asyncio.wait_for(idle.receive(), 5)     # (the PONGs would restart receive's timeout)
                 assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 4408, msg
+            await pinger
             assert time.monotonic() - t0 >= 1.5 and not held[0].closed
             fresh = await s.ws_connect(url)             # the closed ones no longer count
             await fresh.close()
@@ -667,6 +677,31 @@ def test_large_tokenize_bodies_do_not_hold_up_a_small_request(srv: ServerProcess
                 async with s.post(srv.url + path, json=body) as r:
                     err = (await r.json())["error"]
                     assert r.status == 400 and err["param"] == param and "--max-prompt-chars" in err["message"], err
+
+
+def test_large_websocket_frames_do_not_hold_up_a_small_request(srv: ServerProcess) -> None:
+    """Issue 34, item 8: a WebSocket frame took the small bodies' tokenizer lane whatever its size (1 MB prompts
+    held another client's 2-token completion for seconds, as HTTP bodies did before they got a lane of their own).
+    Now a frame goes by its size, like a body. The prompts are too long for the context: each gets an error frame
+    once tokenized."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 .,"
+    text = "".join(alphabet[(i * 7919) % len(alphabet)] for i in range(1_000_000))
+    url = srv.url.replace("http", "ws") + "/v1/ws"
+
+    async def run() -> None:
+        async with _session() as s, s.ws_connect(url, max_msg_size=0) as ws:
+            for i in range(6):
+                await ws.send_json({"type": "generate", "id": i, "prompt": text, "max_tokens": 1})
+            await asyncio.sleep(0.5)                              # the frames are in, the tokenizing has begun
+            t = time.monotonic()
+            async with s.post(f"{srv.url}/v1/completions", json={"prompt": "a neighbour", "max_tokens": 2}) as r:
+                status = r.status
+            took = time.monotonic() - t
+            frames = [await ws.receive_json(timeout=120) for _ in range(6)]
+            assert status == 200 and took < 3, took
+            assert sorted(f["id"] for f in frames) == list(range(6))
+            assert {(f["type"], f["error"]["param"]) for f in frames} == {("error", "prompt")}, frames
+    attack(srv, lambda: asyncio.run(run()))
 
 
 def _health_stall(srv: ServerProcess, during: Callable[[], None]) -> float:

@@ -6,7 +6,15 @@ import sys
 
 import pytest
 
-from engine.kv.block_pool import BlockPool, FreeBlockQueue, PinCapError, hash_block, hash_blocks, root_hash
+from engine.kv.block_pool import (
+    BlockPool,
+    FreeBlockQueue,
+    PinCapError,
+    PinShareError,
+    hash_block,
+    hash_blocks,
+    root_hash,
+)
 
 
 def test_allocate_takes_lowest_ids_first_and_free_returns_to_tail() -> None:
@@ -93,6 +101,33 @@ def test_pin_cap_refuses_whole_and_changes_nothing() -> None:
     assert [b.pin_count for b in blocks] == [1, 1, 0, 0] and pool.num_pinned == 2
     pool.pin(blocks[:3])                          # 1 new: ok, and pin counts add up
     assert [b.pin_count for b in blocks] == [2, 2, 1, 0] and pool.num_pinned == 3
+
+
+def test_an_owners_share_counts_its_distinct_blocks_and_refuses_whole() -> None:
+    """Issue 34, item 5: one owner (a tenant) pins at most its share; a block it pins twice counts once, a block
+    two owners pin counts for each; unpinning gives the share back; unowned pins count in the cap only."""
+    pool = BlockPool(16, max_pinned_blocks=8, max_pinned_per_owner=3)
+    blocks = pool.allocate(6)
+    for i, b in enumerate(blocks):
+        pool.cache_full_block(b, hash_block(root_hash("m"), [i]), [i])
+    pool.pin(blocks[:2], "a")
+    pool.pin(blocks[:3], "a")                     # two of them again: one more distinct block
+    assert pool.pinned_by == {"a": 3} and pool.new_pins(blocks[:4], "a") == (1, 1)
+    with pytest.raises(PinShareError):
+        pool.pin(blocks[2:4], "a")                # block 3 would be its 4th
+    assert [b.pin_count for b in blocks] == [2, 2, 1, 0, 0, 0] and pool.num_pinned == 3
+    pool.pin(blocks[:3], "b")                     # another owner: a share of its own, the same blocks
+    pool.pin(blocks[3:6])                         # nobody's: the cap only
+    assert pool.pinned_by == {"a": 3, "b": 3} and pool.num_pinned == 6
+    assert blocks[0].pinners == {"a": 2, "b": 1} and blocks[4].pinners is None
+    with pytest.raises(ValueError):
+        pool.unpin(blocks[3:5], "a")              # not its pins: nothing changes
+    assert pool.num_pinned == 6 and blocks[3].pin_count == 1
+    pool.unpin(blocks[:2], "a")
+    pool.unpin(blocks[:3], "a")
+    assert pool.pinned_by == {"b": 3} and [b.pin_count for b in blocks] == [1, 1, 1, 1, 1, 1]
+    assert all(b.pinners == {"b": 1} for b in blocks[:3])
+    pool.pin(blocks[3:5], "a")                    # its share is back
 
 
 def test_pinned_blocks_never_enter_free_queue() -> None:

@@ -1,8 +1,14 @@
 """The built-in model, SmolLM2-135M-Instruct from its Q4_1 GGUF, against transformers loading the same
 file: tokenizer and chat template equal, greedy chat answers equal token for token (weights dequantized
-to float32), and the default int4 path (the GGUF's Q4_1 blocks kept as they are) close to them."""
+to float32), and the default int4 path (the GGUF's Q4_1 blocks kept as they are) close to them.
+
+transformers' greedy answers (the reference) are computed once and kept on disk, keyed by the model file,
+the prompts and the versions of transformers and torch (`reference_answers`): computing them took minutes
+on a loaded 2-core machine, twice per run (two tests asked for them), and ran into the 600 s timeout."""
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +31,9 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def hf(real_model_path: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(real_model_path.parent), gguf_file=real_model_path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(real_model_path.parent), gguf_file=real_model_path.name,
-                                                 dtype=torch.float32).eval()
-    return tok, model
+def hf_tok(real_model_path: Path) -> Any:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(real_model_path.parent), gguf_file=real_model_path.name)
 
 
 def chat_ids(tok: Any, question: str) -> list[int]:
@@ -38,8 +41,42 @@ def chat_ids(tok: Any, question: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def test_tokenizer_and_chat_template_equal_transformers(real_llm: LLM, hf: tuple[Any, Any]) -> None:
-    ours, theirs = real_llm.tokenizer, hf[0]
+def _transformers_greedy(path: Path, prompts: list[list[int]], eos: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=eos)[0, len(p):].tolist()
+                for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def reference_answers(real_model_path: Path, hf_tok: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """The 20 prompts and transformers' greedy answers to them, from the disk cache when this model file, these
+    prompts and these versions of transformers and torch were computed before (a cached answer is the very
+    output of `generate`, nothing weaker: the key changes with anything that could change it)."""
+    import transformers
+
+    from engine.models.loader import default_cache_dir
+    prompts = [chat_ids(hf_tok, q) for q in QUESTIONS]
+    stat = real_model_path.stat()
+    key = hashlib.sha256(json.dumps([str(real_model_path.resolve()), stat.st_size, stat.st_mtime_ns, prompts, MAX_NEW,
+                                     transformers.__version__, torch.__version__]).encode()).hexdigest()[:24]
+    cache = default_cache_dir() / "test-references" / f"greedy-{key}.json"
+    try:
+        answers = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        answers = _transformers_greedy(real_model_path, prompts, hf_tok.eos_token_id)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(answers))
+        tmp.replace(cache)
+    assert len(answers) == len(prompts) and all(isinstance(a, list) and a for a in answers)
+    return prompts, answers
+
+
+def test_tokenizer_and_chat_template_equal_transformers(real_llm: LLM, hf_tok: Any) -> None:
+    ours, theirs = real_llm.tokenizer, hf_tok
     # the checkpoint's template, inside ours with tools (engine/models/default.py); without tools they render alike
     assert ours.chat_template == TOOLS_TEMPLATE.read_text() and theirs.chat_template.strip() in ours.chat_template
     texts = ["Hello world", "  leading spaces\tand tabs\n", "café naïve 日本語 🙂", "def f(x):\n    return x**2",
@@ -56,34 +93,23 @@ def test_tokenizer_and_chat_template_equal_transformers(real_llm: LLM, hf: tuple
     assert real_llm.engine.loaded.eos_token_ids == [theirs.eos_token_id]
 
 
-def test_greedy_chat_answers_equal_transformers(real_llm: LLM, hf: tuple[Any, Any]) -> None:
-    tok, model = hf
-    prompts = [chat_ids(tok, q) for q in QUESTIONS]
-    expected = []
-    with torch.no_grad():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=tok.eos_token_id)
-            expected.append(out[0, len(p):].tolist())
-    got = real_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
-    assert [o.outputs[0].token_ids for o in got] == expected
-    assert "Paris" in got[0].outputs[0].text
+Answers = tuple[list[list[int]], list[list[int]]]      # the prompts, and transformers' greedy answers
+GREEDY_TOP5 = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5)   # greedy, with each step's top 5
 
 
 @pytest.fixture(scope="module")
-def expected_answers(real_llm: LLM, hf: tuple[Any, Any]) -> tuple[list[list[int]], list[list[int]]]:
-    """The 20 prompts and transformers' greedy answers (equal to ours in float32: the test above)."""
-    tok, model = hf
-    prompts = [chat_ids(tok, q) for q in QUESTIONS]
-    with torch.no_grad():
-        outs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=MAX_NEW, do_sample=False,
-                               pad_token_id=tok.eos_token_id)[0, len(p):].tolist() for p in prompts]
-    return prompts, outs
+def float32_answers(real_llm: LLM, reference_answers: Answers) -> list[Any]:
+    """Our greedy answers in float32 to the 20 prompts, with their log-probabilities (one run for both tests)."""
+    return real_llm.generate(reference_answers[0], GREEDY_TOP5)
 
 
-def test_int4_greedy_answers_agree_with_transformers(real_model_path: Path, real_llm: LLM,
-                                                     expected_answers: tuple[list[list[int]], list[list[int]]]) -> None:
+def test_greedy_chat_answers_equal_transformers(reference_answers: Answers, float32_answers: list[Any]) -> None:
+    assert [o.outputs[0].token_ids for o in float32_answers] == reference_answers[1]
+    assert "Paris" in float32_answers[0].outputs[0].text
+
+
+def test_int4_greedy_answers_agree_with_transformers(real_model_path: Path, reference_answers: Answers,
+                                                     float32_answers: list[Any]) -> None:
     """The default is not bit-exact: Q4_1 blocks as they are for steps of a few rows, the same weights in
     bfloat16 for wide steps (prefill, 10 or more rows: what vLLM computes with), bfloat16 activations in
     every quantized matmul and a bfloat16 KV cache. So the criterion is stated: the first step's
@@ -92,14 +118,14 @@ def test_int4_greedy_answers_agree_with_transformers(real_model_path: Path, real
     rounding decides either way), at least 12 of 20 answers equal token for token and 80% of all tokens
     before the first divergence (measured: 14/20, 86%; greedy answers part at the first near tie, so
     these move by a few points with any change of rounding, however small)."""
-    prompts, expected = expected_answers
+    prompts, expected = reference_answers
     llm = LLM(str(real_model_path), max_model_len=2048, num_kv_blocks=512)
     assert llm.engine.loaded.quantization == "int4"
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))]
-    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    outs = llm.generate(prompts, GREEDY_TOP5)
+    got = [o.outputs[0].token_ids for o in outs]
     clear = 0
-    for g, e, q, f in zip(got, expected, llm.generate(prompts, one), real_llm.generate(prompts, one)):
-        lq, lf = q.outputs[0].logprobs[0], f.outputs[0].logprobs[0]
+    for g, e, q, f in zip(got, expected, outs, float32_answers):
+        lq, lf = q.outputs[0].logprobs[0], f.outputs[0].logprobs[0]         # the first step's top 5
         shared = set(lq) & set(lf)
         assert len(shared) >= 3 and max(abs(lq[t] - lf[t]) for t in shared) < 0.25
         top = sorted(lf.values(), reverse=True)

@@ -3,6 +3,7 @@ parses and validates (temperature 1, many seeds); regex and choices match; uncon
 exactly the tokens they get alone; a spec that does not compile is refused."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -172,6 +173,57 @@ def test_a_slow_compile_is_killed_at_the_timeout_or_when_cancelled(llm: LLM, mon
     assert time.monotonic() - t < 3
     _children_end(g)
     assert len(g.cache) >= 1 and slow not in g.cache.keys()
+
+
+def _stop_next_compile(g: Grammars) -> int:
+    """SIGSTOPs the next compile child of the helper as soon as it appears (a machine too busy to run it); its pid."""
+    proc = g._probe._proc
+    assert proc is not None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        if children:
+            os.kill(int(children[0]), signal.SIGSTOP)
+            return int(children[0])
+        time.sleep(0.002)
+    raise AssertionError("no compile started")
+
+
+def test_the_compile_timeout_counts_cpu_time_not_waiting(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 34, item 10: the timeout was wall-clock, so on a loaded machine ordinary schemas (tens of ms of CPU)
+    were refused after waiting for a core. Now it counts the compile's CPU time: a compile kept off the CPU for
+    longer than the timeout (SIGSTOPped: what a starved process sees) still compiles; only the wall-clock
+    backstop (WALL_FACTOR x the timeout) ends one that never runs, and its refusal says the server was busy."""
+    g = llm.engine.core.grammars
+    g.compile(StructuredSpec("regex", "warm"))                           # the helper process is up
+    monkeypatch.setattr(g, "compile_timeout", 1.0)
+    result: list[object] = []
+    spec = StructuredSpec("json_schema", json.dumps(_strings_schema(3, 40)), "guided_json")
+    worker = threading.Thread(target=lambda: result.append(g.compile(spec)))
+    worker.start()
+    child = _stop_next_compile(g)
+    time.sleep(2.0)                                                      # twice the timeout, not running
+    with contextlib.suppress(ProcessLookupError):                      # (killed at the timeout, before)
+        os.kill(child, signal.SIGCONT)
+    worker.join(30)
+    assert len(result) == 1 and g.matcher(result[0]).accept_string('{"p0": "a", "p1": "b", "p2": "c"}')
+    monkeypatch.setattr(g, "compile_timeout", 0.4)                       # backstop: 2.4 s
+    starved = StructuredSpec("json_schema", json.dumps(_strings_schema(3, 41)), "guided_json")
+    errors: list[InvalidRequest] = []
+
+    def compile_starved() -> None:
+        try:
+            g.compile(starved)
+        except InvalidRequest as exc:
+            errors.append(exc)
+    worker = threading.Thread(target=compile_starved)
+    t = time.monotonic()
+    worker.start()
+    _stop_next_compile(g)                                                # never continued: killed by the backstop
+    worker.join(30)
+    assert len(errors) == 1 and "busy" in errors[0].message and errors[0].param == "guided_json", errors
+    assert 2.4 <= time.monotonic() - t < 10
+    _children_end(g)
 
 
 def test_the_compile_helper_dies_and_a_new_one_takes_over(llm: LLM) -> None:

@@ -305,3 +305,37 @@ def test_sampling_controls_through_the_openai_client(client: OpenAI, model_name:
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, presence_penalty=3.0)
     assert exc.value.param == "presence_penalty"
+
+
+@pytest.mark.parametrize("fields", [{"n": 2}, {"n": 2, "best_of": 3}, {"use_beam_search": True, "best_of": 3, "n": 2}],
+                         ids=["n", "best_of", "beam"])
+async def test_max_tokens_0_with_several_sequences_answers_on_every_surface(
+        client: OpenAI, model_name: str, server: ServerThread, fields: dict[str, Any]) -> None:
+    """lm-eval's echo scoring and a cache warm-up (`max_tokens: 0`) with n, best_of or beams > 1 answer at once,
+    one empty choice per n, whole or streamed, over HTTP and the WebSocket (they used to wait forever: the
+    first sequence ended after its prefill and nothing forked the others)."""
+    quick = client.with_options(timeout=15)
+    logprobs = None if fields.get("use_beam_search") else 1
+    whole = quick.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=logprobs,
+                                     extra_body=fields)
+    assert [(c.index, c.text, c.finish_reason) for c in whole.choices] == [(0, PROMPT, "length"),
+                                                                          (1, PROMPT, "length")]
+    assert whole.usage.completion_tokens == 0
+    if logprobs is not None:
+        assert [c.logprobs.token_logprobs for c in whole.choices][0][1:] == \
+            [c.logprobs.token_logprobs for c in whole.choices][1][1:]
+    chunks = list(quick.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True, stream=True,
+                                           extra_body=fields))
+    assert sorted((c.choices[0].index, c.choices[0].finish_reason) for c in chunks
+                  if c.choices and c.choices[0].finish_reason) == [(0, "length"), (1, "length")]
+    warm = quick.chat.completions.create(model=model_name, messages=MSG, max_tokens=0,
+                                         extra_body={**fields, "prompt_cache_key": f"warm-{len(fields)}"})
+    assert [(c.index, c.finish_reason) for c in warm.choices] == [(0, "length"), (1, "length")]
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"{server.url}/v1/ws") as ws:
+        await ws.send_json({"type": "generate", "id": "z", "model": model_name, "prompt": PROMPT, "max_tokens": 0,
+                            "echo": True, **fields})
+        frames: list[dict] = []
+        while not frames or frames[-1]["type"] not in ("done", "error"):
+            frames.append(json.loads((await asyncio.wait_for(ws.receive(), 15)).data))
+    assert frames[-1]["type"] == "done", frames
+    assert [c["finish_reason"] for c in frames[-1]["choices"]] == ["length", "length"]

@@ -9,6 +9,7 @@ import pytest
 
 from service.openai.schema import Tool
 from service.openai.tools import (
+    ToolPlan,
     calls_from_named,
     calls_from_required,
     might_become_a_call,
@@ -82,3 +83,27 @@ def test_schemas_accept_what_the_mappers_read() -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "get_weather", "parameters": {}}], required_schema([WEATHER], parallel=True))
     assert [c.name for c in calls_from_required(json.dumps(many))] == ["get_weather", "get_time"]
+
+
+def test_arguments_nested_deeper_than_json_loads_goes() -> None:
+    """Issue 34, item 10: a forced ("required") call whose arguments nest thousands of levels deep (what its schema
+    allowed, and a model wrote) made json.loads raise RecursionError: a 500. Such arguments now come back as the
+    model wrote them; the Hermes / SmolLM2 syntaxes of "auto" read them too; text cut short is still no call."""
+    deep = "[" * 5000 + "]" * 5000
+    args = '{"a": ' + deep + ', "b": "x"}'
+    plan = ToolPlan("required", [WEATHER, TIME])
+    content, calls = plan.calls(f'[{{"name": "get_time", "parameters": {args}}}, '
+                                '{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_time", args),
+                                                                          ("get_weather", '{"city": "Oslo"}')]
+    assert calls_from_required(f'[{{"name": "get_time", "parameters": {args}}}]')[0].arguments == args
+    cut = f'[{{"name": "get_time", "parameters": {args[:4000]}'
+    assert plan.calls(cut) == (cut, [])                                        # cut short by max_tokens
+    for text in (f'<tool_call>{{"name": "get_time", "arguments": {args}}}</tool_call>',
+                 f'<tool_call>[{{"name": "get_time", "arguments": {args}}}]</tool_call>'):
+        content, calls = parse_auto(text, NAMES)
+        assert content is None and [(c.name, c.arguments) for c in calls] == [("get_time", args)]
+    content, calls = parse_auto(f'<tool_call>{{"name": "get_time", "arguments": {deep}}}</tool_call>', NAMES)
+    assert calls == []                                                         # not an object: no call
+    with pytest.raises(ValueError):
+        calls_from_required('[{"name": "get_time", "parameters": ' + "[" * 5000 + "]" * 4999 + "}" + "}]")
