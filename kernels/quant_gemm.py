@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu.library import cpu_flags
+
+VNNI = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})    # an int8 dot product without saturation
+
 GROUP = 32                       # the int4 group along the input dimension (GGUF's block size)
 ACT = torch.bfloat16             # the activations' dtype in and out of every quantized GEMM
 
@@ -84,10 +88,11 @@ class Int8ActHead:
     """The output projection of a wide step as an int8 x int8 product on oneDNN's VNNI kernel: int8 weights
     with one scale per vocabulary row, the step's activations as int8 with one scale per row (applied to the
     output row: oneDNN takes one activation scale a call). Twice the bfloat16 GEMM's rate on an AVX-512 CPU
-    (measured 5.1 against 9.5 ms for SmolLM2's 49,152 x 576 head at 64 rows), 1.3x the float32 GEMM's on an
-    AVX2 one (20.8 against 27.1 ms at 64 rows; 12.0 against 9.4 ms at 10); its logits are off by up to a
+    (measured 5.1 against 9.5 ms for SmolLM2's 49,152 x 576 head at 64 rows); its logits are off by up to a
     few units, which is why the quantized head recomputes the top ones exactly. `make` gives None where
-    oneDNN's quantized linear is missing or fails here."""
+    oneDNN's quantized linear is missing or fails here, and on CPUs without VNNI (AVX2 alone): there oneDNN
+    multiplies u8 x s8 pairs with `vpmaddubsw`, whose 16-bit sums saturate, and the coarse logits are wrong
+    by hundreds (on a Zen 3 the exact argmax ranked 361st), so the dense head serves instead."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().float()
@@ -98,6 +103,8 @@ class Int8ActHead:
     @classmethod
     def make(cls, weight: torch.Tensor) -> Int8ActHead | None:
         if weight.device.type != "cpu" or not ONEDNN or not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+            return None
+        if not VNNI & cpu_flags():
             return None
         try:
             head = cls(weight)

@@ -104,7 +104,7 @@ class PrefixRecord:
             created_at=float(data.get("created_at", 0.0)),
             owner=None if data.get("owner") is None else str(data["owner"]),
             salt=_salt_in(data.get("salt")),
-            kind="cache_key" if data.get("kind") == "cache_key" else "named",
+            kind=_kind_in(data.get("kind")),
             ttl_seconds=None if data.get("ttl_seconds") is None else float(data["ttl_seconds"]),
             expires_at=None if data.get("expires_at") is None else float(data["expires_at"]),
             hidden_tokens=int(data.get("hidden_tokens") or 0),
@@ -119,6 +119,11 @@ def _salt_out(salt: Salt) -> str | list[list[Any]] | None:
     if len(salt) == 1 and salt[0][0] == 0:
         return salt[0][1]
     return [[i, key] for i, key in salt]
+
+
+def _kind_in(raw: Any) -> PrefixKind:
+    """A record's kind as written; an unknown one (a newer replica's) reads as a named prefix."""
+    return raw if raw in ("cache_key", "cache_control") else "named"
 
 
 def _salt_in(raw: Any) -> Salt:

@@ -34,7 +34,8 @@ from service.config import ServiceConfig
 from service.errors import error_middleware
 from service.middleware import access_log, auth, cross_site, security_headers
 from service.middleware.metrics import METRICS, Metrics, metrics_middleware
-from service.openai import chat, completions, responses
+from service.openai import chat, completions
+from service.openai.responses import api as responses
 from service.routes import openapi, prefixes, status, tokens, websocket, worker_api
 from service.state import STATE, ServiceState
 

@@ -79,7 +79,7 @@ class ServiceConfig:
     prompt_cache_ttl: float = knob(600.0, "seconds a prompt_cache_key lease lasts after its last hit, for "
                                           "prompt_cache_retention in_memory (the default); 24h leases last 86400")
     response_store_max: int = knob(1024, "most stored Responses (store: true) one replica keeps, shared between "
-                                          "tenants (service/openai/responses.py)")
+                                          "tenants (service/openai/responses/api.py)")
     response_store_bytes: int = knob(64 * 2**20, "most bytes of stored Responses (and their conversations) one "
                                                  "replica keeps, shared between tenants")
     metrics_require_key: bool = knob(True, "/metrics needs a key like the API (with --api-key set)")

@@ -46,7 +46,9 @@ buckets lose the spread within one request. vLLM's deprecated `vllm:time_per_out
 _preemptions_total, _prefix_cache_queried_tokens_total / _hit_tokens_total, _time_to_first_token_seconds,
 _time_per_output_token_seconds, _e2e_request_latency_seconds are the vllm: series above.
 
-A prefix's label is its name when it is published; a tenant's own prefix (and lease) is labelled
+Leases (`prompt_cache_key`, `cache_control`) get no per-prefix series: they are a client's session cache, as many
+as there are sessions, and a label each would grow the scrape with what clients send; their hits count in
+vllm:prefix_cache_hits. A prefix's label is its name when it is published; a tenant's own prefix is labelled
 `private-<HMAC-SHA256(label key, "<tenant>/<name>")[:12]>`, the label key derived from the server's
 configured keys (so every replica with the same keys, and a restart, label a prefix alike) and known to
 no one who lacks them: a scrape cannot be used to check guessed names offline (prefix_store/access.py).
@@ -177,6 +179,8 @@ class _StateCollector(Collector):
         saved = CounterMetricFamily("prefixserve_prefix_tokens_saved", "Prompt tokens served from a named "
                                     "prefix's cached blocks, by prefix", labels=["prefix"])
         for key, entry in (state.registry.local.items() if state.registry is not None else ()):
+            if entry.record.kind != "named":    # leases are a client's cache, not a prefix someone named:
+                continue                        # their hits count in vllm:prefix_cache_hits alone
             label = self._label(key, entry.record.owner)
             hits.add_metric([label], entry.hit_requests)
             saved.add_metric([label], entry.tokens_saved)

@@ -6,7 +6,7 @@
     render.py        token ids: chat templates, completion prompts, the named prefix composed in
     generation.py    one request's engine requests as OpenAI choices (deltas, usage)
     chat.py, completions.py   the two surfaces' shaping (chunks and bodies)
-    responses.py     the Responses API: its requests as chat requests; response_shaper.py its items and events,
-                     response_store.py the stored responses (shared between tenants)
+    responses/       the Responses API: its requests as chat requests (api.py), its items and events
+                     (shaper.py), the stored responses shared between tenants (store.py), prompt_cache.py
     sse.py, logprobs.py, tools.py   server-sent events, logprobs in both shapes, tool calls
 """

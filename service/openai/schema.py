@@ -298,7 +298,7 @@ class ChatCompletionRequest(_Sampling):
     prediction: dict[str, Any] | None = None
 
 
-# The Responses API's request (service/openai/responses.py translates it into a chat request).
+# The Responses API's request (service/openai/responses/api.py translates it into a chat request).
 MAX_INPUT_ITEMS = 2048
 
 

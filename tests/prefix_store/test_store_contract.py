@@ -201,6 +201,9 @@ def test_records_survive_to_dict_from_dict(make_record: Any) -> None:
     rec = make_record("sys", source={"token_ids": [1, 2]}, description="d")
     assert PrefixRecord.from_dict(rec.to_dict()) == rec
     assert PrefixRecord.from_dict({**rec.to_dict(), "added_later": 1}) == rec  # unknown keys ignored
+    for kind in ("named", "cache_key", "cache_control"):     # a breakpoint's lease stays one on another replica
+        lease = make_record("cc-1", [1, 2], kind=kind)
+        assert PrefixRecord.from_dict(lease.to_dict()).kind == kind
     info = ReplicaInfo("r", "h:1", ["sys"], {"running": 1}, FP, 5.0)
     assert ReplicaInfo.from_dict(info.to_dict()) == info
 

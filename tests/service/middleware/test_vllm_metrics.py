@@ -99,6 +99,17 @@ def test_every_sample_counts_and_finish_reasons(server: ServerThread, model_name
     assert grew("vllm:inter_token_latency_seconds_count") == 3 + (len(first) - 1)   # per request, not per sample
 
 
+def test_leases_have_no_series(server: ServerThread) -> None:
+    """A `prompt_cache_key` lease (one per client session) is no named prefix: a series each would grow the
+    scrape with what clients send."""
+    key = f"session-{uuid.uuid4().hex}"
+    completion(server, prompt=PREFIX + " one", max_tokens=1, prompt_cache_key=key)
+    completion(server, prompt=PREFIX + " two", max_tokens=1, prompt_cache_key=key)
+    assert [r for r in requests.get(f"{server.url}/v1/prefixes", timeout=10).json()["data"]
+            if r["name"].startswith("pck-")]                   # the lease exists
+    assert 'prefix="pck-' not in requests.get(f"{server.url}/metrics", timeout=10).text
+
+
 def test_prefix_series_go_with_their_prefix(server: ServerThread) -> None:
     names = [f"m-{uuid.uuid4().hex[:8]}" for _ in range(2)]
     for name in names:

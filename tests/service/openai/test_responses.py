@@ -1,4 +1,4 @@
-"""The Responses API (service/openai/responses.py) through the openai SDK over real HTTP: text and item input,
+"""The Responses API (service/openai/responses/api.py) through the openai SDK over real HTTP: text and item input,
 instructions, previous_response_id (the conversation carried, and the prefix cache hit that follows), the
 store (store: false, GET, DELETE, bounded, one key's responses invisible to another), streaming with the SDK's
 event types, function tools and their outputs, and clear 400s for what is not supported."""
@@ -19,8 +19,8 @@ import pytest
 import requests
 from openai import OpenAI
 
-from service.openai.response_store import ResponseStore, Stored
-from service.openai.responses import to_messages
+from service.openai.responses.api import to_messages
+from service.openai.responses.store import ResponseStore, Stored
 from tests.helpers.server import ServerThread, tiny_config
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather of a city",   # short strings:

@@ -4,7 +4,7 @@
 A Responses request becomes a chat request and takes the one request pipeline (service/openai/pipeline.py):
 the same template, tools, structured output, named prefix (`prefix`, ours), prompt_cache_key lease, limits,
 engine and answer stage (a whole answer waits for its lease; a stream is written by sse.stream, with its
-guard on every write after the headers). This module only translates in; response_shaper.py shapes out:
+guard on every write after the headers). This module only translates in; shaper.py shapes out:
 
     in    `instructions` -> a system message (this request's only, as OpenAI: not carried by
           previous_response_id); `input` (text, or items: messages with input_text / output_text parts,
@@ -13,7 +13,7 @@ guard on every write after the headers). This module only translates in; respons
           tools {type: function, name, ...} and tool_choice -> chat's; `text.format` -> response_format;
           max_output_tokens -> max_tokens
 
-Stored responses (`store`, default true) live in service/openai/response_store.py: bounded, shared fairly
+Stored responses (`store`, default true) live in service/openai/responses/store.py: bounded, shared fairly
 between tenants, each readable only with the key that created it (another key gets 404, as a missing one).
 """
 from __future__ import annotations
@@ -26,12 +26,13 @@ from aiohttp import web
 
 from service.errors import ApiError, invalid
 from service.middleware.auth import presented_key
-from service.openai import pipeline, prompt_cache
+from service.openai import pipeline
 from service.openai.generation import Generation
 from service.openai.params import check_model
 from service.openai.pipeline import read_body
-from service.openai.response_shaper import ResponsesShaper
-from service.openai.response_store import STORE, ResponseStore, Stored
+from service.openai.responses import prompt_cache
+from service.openai.responses.shaper import ResponsesShaper
+from service.openai.responses.store import STORE, ResponseStore, Stored
 from service.openai.schema import ResponsesRequest, parse_model
 from service.state import STATE
 from service.tenants import caller_of

@@ -1,4 +1,4 @@
-"""The Responses API's prompt-cache options beyond the lease (service/openai/responses.py calls `finish` on every
+"""The Responses API's prompt-cache options beyond the lease (service/openai/responses/api.py calls `finish` on every
 answer it returns):
 
     prompt_cache_options.prewarm                 the prompt is written into the cache and held (a lease of
