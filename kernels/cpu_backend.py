@@ -2,19 +2,18 @@
 
     decode rows (one query token)   the C++ paged decode kernel (kernels/cpu/paged_decode.cpp): K and V
                                     read in place through the block table, every sequence in one call
-    prefill chunks, bf16 cache      the C++ paged prefill kernel (kernels/cpu/paged_prefill.cpp): every
-                                    chunk of the step in one call, in place, bf16 dot products
-    prefill chunks, float32 cache   torch's flash attention for the CPU, the chunk's queries over the
-                                    sequence's whole context (GQA native, causal lower-right)
+    prefill chunks                  the C++ paged prefill kernel (kernels/cpu/paged_prefill.cpp): every
+                                    chunk of the step in one call, in place, a shared prefix's tiles
+                                    walked once for the chunks of every sequence that shares it (cascade)
 
 A mixed step runs both on its rows. A prompt's last token computed alone (the rest hit the prefix cache)
 is a prefill chunk of one: it takes the prefill path, so it comes out as it would in a longer chunk.
-Prefill is compute-bound, so gathering a sequence's context from its blocks costs little next to the
-products; decode is memory-bound, so it never gathers. Caches are float32 or bfloat16 ([num_blocks,
-block_size, Hkv, D] per layer, as every paged backend); every product accumulates in float32.
+Caches are float32 or bfloat16 ([num_blocks, block_size, Hkv, D] per layer, as every paged backend); every
+product accumulates in float32.
 
 Without the C++ kernels (`kernels` None: not built, or turned off) the decode rows take the torch backend's
-path (a gather per step); the rest is the same.
+path (a gather per step), and the prefill chunks torch's flash attention for the CPU: the chunk's queries
+over the sequence's whole context gathered from its blocks (GQA native, causal lower-right).
 
 The batch-invariant mode (`invariant`) runs every row through the decode kernel, prompt rows too (a prompt
 token at position p is a decode row over its first p + 1 tokens), with every context cut into splits of
@@ -92,8 +91,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                      md.seq_lens[index], max(md.seq_lens_list[i] for i in decode), None, scale)
         prefill = [i for i in range(md.num_seqs) if md.is_prefill(i)]
         if self.kernels is not None and self.kernels.prefill.prefill(
-                q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, prefill, scale,
-                out) is not None:
+                q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, prefill, scale, out,
+                cascade=True) is not None:
             return out.to(dtype)
         block_size = key_cache.shape[1]
         for i in prefill:

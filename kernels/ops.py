@@ -10,9 +10,9 @@ never asks which device it is on or whether a kernel is available.
     logits                  a quantized head: coarse logits, then the top ones exact (C++ top-k and refine, or
                             torch); a plain head: torch's linear
     row_stats, topk         C++ (kernels/cpu/logits.cpp); torch
-    attention               the KV backend's kernels, by family: "cpu" (C++ paged decode + flash or C++ paged
-                            prefill), "torch", "triton" (kernels/cpu_backend.py, torch_backend.py,
-                            triton_backend.py); `attention_family` picks the default
+    attention               the KV backend's kernels, by family: "cpu" (C++ paged decode and paged prefill, torch's
+                            flash attention without the C++ kernels), "torch", "triton" (kernels/cpu_backend.py,
+                            torch_backend.py, triton_backend.py); `attention_family` picks the default
 
 Two precisions. `mixed=False` is the reference: every op in the model's dtype, as transformers computes it (the
 parity tests hold the float32 model to transformers token for token). `mixed=True` is the quantized model's:
@@ -108,12 +108,10 @@ class Ops:
                 f"({self.cpu.paths['fused']})")
             ops["logits reductions"] = f"c++ {self.cpu.variant} ({self.cpu.paths['logits']})"
             ops["paged decode"] = f"c++ {self.cpu.variant} ({self.cpu.paths['paged_decode']})"
-            ops["paged prefill (bf16 cache)"] = (f"c++ {self.cpu.variant}" if self.cpu.prefill.available
-                                                 else "torch flash attention (no AVX-512 BF16 build)")
+            ops["paged prefill"] = _prefill_impl(self.cpu)
             if config.batch_invariant:
                 ops["paged decode"] += f", {INVARIANT_SPLIT_TOKENS}-token splits, no cascade"
-                ops["paged prefill (bf16 cache)"] = ops["paged prefill (float32 cache)"] = \
-                    "the paged decode kernel, a row at a time (batch-invariant)"
+                ops["paged prefill"] = "the paged decode kernel, a row at a time (batch-invariant)"
         else:
             ops["elementwise (mixed precision)"] = ops["logits reductions"] = variant
             ops["paged decode"] = "triton" if self.device.type == "cuda" else "torch"
@@ -255,6 +253,14 @@ class Ops:
         if self._logits is not None and logits.device.type == "cpu" and logits.stride(-1) == 1 and k <= MAX_K:
             return self._logits.row_topk(logits, k)
         return logits.topk(k, dim=-1).indices
+
+
+def _prefill_impl(cpu: CpuKernels) -> str:
+    """The prefill kernel's loops for each cache dtype (kernels/cpu/paged_prefill.py: bf16 or float32 products)."""
+    bf16, f32 = cpu.prefill.path(torch.bfloat16), cpu.prefill.path(torch.float32)
+    loops = (f"{bf16} bf16 products over bf16 caches, {f32} float32 products over float32 caches" if bf16 != f32
+             else f"{f32} float32 products")
+    return f"c++ {cpu.variant} ({loops}; shared prefixes walked once (cascade))"
 
 
 def _why(variant: str, auto: bool) -> str:

@@ -8,6 +8,8 @@ avx512, ...: kernels/cpu/library.py) against each other and against torch's fall
 
 CPU: SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, bf16 cache, block size 16, shuffled
 blocks); decode for batch x context (one layer's call, median wall time of repeated calls, torch's threads);
+prefill steps (16 sequences' 64-token chunks over a shared 3,072- or 8,192-token cached prefix, a cold
+1,024-token prompt; `--quick`: the 3,072 one) with and without cascade, and the K / V bytes each reads;
 the logits reductions (logsumexp + argmax, top-64) over [64, 49152] float32; the fused elementwise ops over 64
 rows (silu_mul [64, 2 x 1536], add_rms_norm [64, 576]). Every build's decode is checked against the torch
 fallback before it is timed. Writes benchmarks/results/kernels_cpu.md and .json.
@@ -218,6 +220,61 @@ def cpu_decode_row(batch: int, context: int, variants: list[str], gen: torch.Gen
     return row
 
 
+# Prefill steps (sequences, cached shared prefix, new tokens a sequence): the shared system prompt with distinct
+# questions (the suffix prefills of a step attend over the same prefix blocks), and a cold prompt.
+CPU_PREFILL = [(16, 3072, 64), (16, 8192, 64), (1, 0, 1024)]
+CPU_PREFILL_QUICK = [(16, 3072, 64)]
+
+
+def cpu_prefill_row(seqs: int, prefix: int, new: int, variants: list[str], gen: torch.Generator) -> dict:
+    """One layer's prefill attention for `seqs` chunks of `new` tokens over a shared cached `prefix` (the same
+    block ids in every table): torch's flash fallback (a gather of each sequence's context, then flash
+    attention) and every build with and without cascade, checked against the fallback, then timed. Also the
+    K / V bytes each reads (per layer) and the least any can read: the prefix and each suffix once."""
+    from kernels.cpu.library import load
+    from kernels.cpu_backend import CpuAttentionBackend
+    from kernels.metadata import AttentionMetadata
+
+    heads, kv_heads, head_dim, block = CPU_HEADS, CPU_KV_HEADS, CPU_HEAD_DIM, CPU_BLOCK
+    scale = head_dim ** -0.5
+    context = prefix + new
+    shared, own = prefix // block, -(-new // block)
+    perm = torch.randperm(shared + seqs * own, generator=gen).int()
+    tables = torch.stack([torch.cat([perm[:shared], perm[shared + i * own:shared + (i + 1) * own]])
+                          for i in range(seqs)]).contiguous()
+    kc = torch.randn(shared + seqs * own, block, kv_heads, head_dim, generator=gen).bfloat16()
+    vc = torch.randn(shared + seqs * own, block, kv_heads, head_dim, generator=gen).bfloat16()
+    q = torch.randn(seqs * new, heads, head_dim, generator=gen)
+    lens = torch.full((seqs,), context, dtype=torch.int32)
+    starts = torch.arange(0, (seqs + 1) * new, new, dtype=torch.int32)
+    md = AttentionMetadata(kv_rows=torch.zeros(seqs * new, dtype=torch.long), block_tables=tables, seq_lens=lens,
+                           query_start_loc=starts, seq_lens_list=[context] * seqs, query_lens_list=[new] * seqs,
+                           max_query_len=new, max_seq_len=context)
+    fallback = CpuAttentionBackend(None)
+    want = fallback.forward(q, kc, vc, md, scale)
+    iters = 3 if seqs * new * context > 1 << 24 else 7
+    row_bytes = kv_heads * head_dim * kc.element_size() * 2                 # one token's K and V, every head
+    pairs = seqs * sum(prefix + j + 1 for j in range(new))                  # (query, key) pairs attended
+    row = {"seqs": seqs, "prefix": prefix, "new": new, "flops": 4 * pairs * heads * head_dim,
+           "bound_mb": (prefix + seqs * new) * row_bytes / 1e6, "torch_mb": seqs * context * row_bytes / 1e6,
+           "torch_ms": cpu_time_us(lambda: fallback.forward(q, kc, vc, md, scale), iters) / 1e3}
+    out = torch.empty_like(q)
+    vmax = vc.float().abs().max().item()
+    for v in variants:
+        k = load(v)
+        for cascade in (True, False):
+            name = f"{v}{'' if cascade else '_plain'}"
+            stats = k.prefill.prefill_stats(q, kc, vc, tables, lens, starts, list(range(seqs)), scale, out,
+                                            cascade=cascade)
+            assert stats is not None
+            tol = 0.005 * vmax if k.prefill.path(torch.bfloat16) == "avx512_bf16" else 1e-4
+            torch.testing.assert_close(out, want, atol=tol, rtol=0)
+            row[f"{name}_ms"] = cpu_time_us(lambda k=k, c=cascade: k.prefill.prefill(
+                q, kc, vc, tables, lens, starts, list(range(seqs)), scale, out, cascade=c), iters) / 1e3
+            row[f"{name}_mb"] = stats.keys * row_bytes / 1e6
+    return row
+
+
 def bench_cpu(quick: bool) -> None:
     from kernels.cpu.library import cpu_flags, runnable_variants
     from kernels.ops import KernelConfig, Ops
@@ -228,6 +285,7 @@ def bench_cpu(quick: bool) -> None:
     batches, contexts = ([1, 32], [1024]) if quick else ([1, 16, 64], [256, 1024, 4096])
     gen = torch.Generator().manual_seed(0)
     rows = [cpu_decode_row(batch, context, variants, gen) for batch in batches for context in contexts]
+    prefill = [cpu_prefill_row(*shape, variants, gen) for shape in (CPU_PREFILL_QUICK if quick else CPU_PREFILL)]
     logits = torch.randn(64, 49152, generator=gen) * 4
     gate_up = torch.randn(64, 2 * 1536, generator=gen).bfloat16()
     x, r, w = torch.randn(64, 576, generator=gen), torch.randn(64, 576, generator=gen).bfloat16(), torch.rand(576)
@@ -256,6 +314,22 @@ def bench_cpu(quick: bool) -> None:
     for row in rows:
         lines.append(f"| {row['batch']} | {row['context']} | {row['torch_us']:.0f} | "
                      + " | ".join(f"{row[f'{v}_us']:.0f}" for v in variants) + " |")
+    lines += ["", "## Paged prefill (the same shapes; one layer's call: every chunk of the step over its context)", "",
+              "Chunks of `new` tokens of `seqs` sequences over the same cached `prefix` blocks. ms: median wall "
+              "time of one layer's call; GFLOP/s: 4 x (query, key) pairs x heads x head_dim over that time; MB: "
+              "K / V bytes read (the bound: the prefix and each chunk once). `plain`: the C++ kernel without "
+              "cascade (each sequence walks the prefix itself).", "",
+              "| seqs x new over prefix | torch (gather + flash) ms | " + " | ".join(
+                  f"{v} ms | {v} plain ms" for v in variants) + " | best GFLOP/s | MB read: torch / "
+              "plain / cascade / bound |",
+              "|---|---:|" + "---:|---:|" * len(variants) + "---:|---|"]
+    for r in prefill:
+        best = min(r[f"{v}_ms"] for v in variants)
+        last = variants[-1]
+        lines.append(f"| {r['seqs']} x {r['new']} over {r['prefix']} | {r['torch_ms']:.1f} | "
+                     + " | ".join(f"{r[f'{v}_ms']:.1f} | {r[f'{v}_plain_ms']:.1f}" for v in variants)
+                     + f" | {r['flops'] / best / 1e6:.0f} | {r['torch_mb']:.1f} / {r[f'{last}_plain_mb']:.1f} / "
+                       f"{r[f'{last}_mb']:.1f} / {r['bound_mb']:.1f} |")
     lines += ["", "## Logits reductions over [64, 49152] and fused elementwise ops over 64 rows", "",
               "| implementation | logsumexp + argmax | top-64 | silu_mul [64, 3072] | add_rms_norm [64, 576] |",
               "|---|---:|---:|---:|---:|"]
@@ -267,7 +341,8 @@ def bench_cpu(quick: bool) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "kernels_cpu.md").write_text(table)
     (RESULTS / "kernels_cpu.json").write_text(json.dumps(dict(cpu=cpu, variants=variants, decode=rows,
-                                                              ops=ops_rows, threads=torch.get_num_threads()),
+                                                              prefill=prefill, ops=ops_rows,
+                                                              threads=torch.get_num_threads()),
                                                          indent=2))
     print(f"wrote {RESULTS / 'kernels_cpu'}.md and .json")
 

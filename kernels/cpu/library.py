@@ -112,8 +112,7 @@ def load(requested: str = "auto", directory: Path = LIB_DIR) -> CpuKernels:
             raise KernelUnavailable(f"loading {path} failed: {exc}") from exc
     decode, prefill = PagedDecode(libs["paged_decode"]), PagedPrefill(libs["paged_prefill"])
     fused, logits = Fused(libs["fused"]), Logits(libs["logits"])
-    paths = {"paged_decode": decode.path, "paged_prefill": "avx512_bf16" if prefill.available else "unavailable",
-             "fused": fused.path, "logits": logits.path}
+    paths = {"paged_decode": decode.path, "paged_prefill": prefill.path(), "fused": fused.path, "logits": logits.path}
     return CpuKernels(variant, m.get("compiler_version") or m.get("compiler", ""), decode, prefill, fused, logits,
                       paths)
 

@@ -1,197 +1,487 @@
-// Paged prefill attention on the CPU for bfloat16 caches: a step's prompt chunks (any number of query
-// tokens per sequence, over the sequence's whole cached context) in one call, K and V read in place
-// through the block table, GQA-aware, causal. Launcher and agreement criterion: kernels/cpu/paged_prefill.py.
+// Paged prefill attention on the CPU: a step's prompt chunks (any number of query tokens per sequence, over the
+// sequence's whole cached context) in one call, K and V read in place through the block table, GQA-aware,
+// causal, and cascade: sequences whose tables start with the same blocks (a shared system prompt) walk those
+// tiles once for all of them. Launcher and agreement criteria: kernels/cpu/paged_prefill.py.
 //
-// Work items are (sequence, up to QB consecutive query tokens); an item takes every query head of a KV head
-// at once (QB * G rows) and walks the context in tiles of TILE tokens aligned to absolute positions 0, TILE,
-// 2 TILE, ...: each tile's K is transposed once into pairs of dimensions and its V interleaved into pairs of
-// tokens, so the products run as bf16 dot products (vdpbf16ps: two products a lane, float32 sums):
-//     scores  s = (q * scale as bf16) . K       over dimension pairs
-//     values  acc = alpha acc + (p as bf16) . V  over token pairs
-// with one online-softmax update (float32) a row a tile. A row masks the keys past its own position.
+// One walk, two kinds of tiles:
+//   bf16 tiles (bf16_tile.h; AVX-512 BF16 builds, bf16 caches): the products as bf16 dot products (vdpbf16ps)
+//                of q * scale and the softmax weights rounded to bf16, float32 sums;
+//   float32 tiles (f32_tile.h; every other build, and float32 caches everywhere): float32 products with FMA.
 //
-// Chunk invariance: every row walks the same aligned tiles in the same order with the same instructions
-// whatever else its item holds (other rows, a longer tile): a masked key weighs exactly 0, so a token's
-// output does not depend on how its prompt was cut into chunks, nor on how much of it hit the cache.
+// An item's rows are query tokens of one or more sequences, each with the G query heads of one KV head (GQA:
+// the heads that read the same K / V rows). It walks keys [k0, k1) in tiles of TILE keys aligned to absolute
+// positions 0, TILE, 2 TILE, ...: per tile it packs K and V once, computes the scores of every row, one
+// online-softmax update a row (float32 running max, sum and accumulator) and adds the V rows. A row masks the
+// keys past its own position; rows whose position is before the tile skip it.
+//
+// The plan (make_plan). Without cascade an item is up to QB consecutive tokens of one sequence over keys
+// [0, its last position]. With cascade, sequences whose tables agree on their first P keys (P a multiple of
+// TILE, every member's chunk starting at or past P: its rows see all of them) form a group: phase 1 walks tiles
+// [0, P) once for the rows of all members (items of up to CASCADE_TOKENS tokens across the members) and saves
+// each row's softmax state; phase 2 resumes each member's rows from it over keys [P, its last position]. The
+// other sequences' items run in phase 1.
+//
+// Chunk invariance: every row walks the same aligned tiles in the same order with the same per-row arithmetic
+// whatever else its item holds (other rows; more keys in a tile: a masked key weighs exactly 0), and saving the
+// state after a tile and resuming from it changes nothing. So a token's output is the same bit for bit however
+// its prompt was cut into chunks, however much of it came from the prefix cache, and with or without cascade.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <unordered_map>
 #include <vector>
 #include <omp.h>
 #include "bf16_tile.h"
+#include "f32_tile.h"
 
 namespace {
 
-constexpr int TILE = 64;         // keys a tile (a multiple of 32: whole token pairs, whole 16-lane chunks)
-constexpr int QB = 16;           // query tokens an item
+constexpr int TILE = 64;              // keys a tile (a multiple of 32: whole bf16 token pairs, whole 16-lane chunks)
 constexpr int MAX_GROUP = 16;
-constexpr int MAX_ROWS = QB * MAX_GROUP;
+constexpr int MAX_D = 256;
+constexpr int ITEM_ROWS = 96;         // rows (tokens x G) a per-sequence item aims at
+constexpr int CASCADE_TOKENS = 96;    // tokens a phase-1 item of a group takes at most (across its members)
+constexpr int MIN_SHARED_TILES = 2;   // a shared run of fewer tiles is walked by each sequence itself
+constexpr int ITEMS_PER_THREAD = 4;   // enough items that dynamic scheduling evens out their lengths
+constexpr int RESUME = 1, SAVE = 2;   // item flags: start from the saved state; save the state (do not finish)
 
 struct Args {
-    const float* q; const uint16_t* kc; const uint16_t* vc; const int32_t* bt; int64_t bt_stride;
+    const float* q; const void* kc; const void* vc; const int32_t* bt; int64_t bt_stride;
     const int32_t* lens; const int32_t* qstart; float* out; int H, Hkv, D, B; float scale;
     int64_t kc_blk, kc_tok, kc_head, vc_blk, vc_tok, vc_head;
 };
 
-#if defined(PREFIXSERVE_BF16)
-using namespace prefixserve_bf16;
+struct Seg { int s, a, b; };                          // query rows [a, b) of sequence s
+struct Item { int seg0, nseg, k0, k1, flags; int64_t cost; };
+struct Plan {
+    std::vector<Seg> segs;
+    std::vector<Item> phase[2];
+    std::vector<int64_t> state_row;                   // a sequence's first row in the saved states (-1: none)
+    int64_t state_rows = 0;
+    int64_t groups = 0, grouped_keys = 0;             // cascade groups; members x shared keys, summed
+};
 
-inline float* align64(std::vector<float>& v, size_t n) {
-    v.resize(n + 16);
-    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
+inline int first_pos(const Args& A, int s, int t) { return A.lens[s] - (A.qstart[s + 1] - t); }  // token t's position
+
+// Tiles [0, P) of sequences whose tables agree there: one group a time, led by the first candidate left; the
+// members kept are those that maximize the tile walks saved, (members - 1) x P.
+void find_groups(const Args& A, std::vector<int> cand, const std::vector<int>& tiles_before,
+                 std::vector<std::pair<std::vector<int>, int>>& groups) {
+    while (cand.size() >= 2) {
+        const int lead = cand[0];
+        const int32_t* lt = A.bt + static_cast<int64_t>(lead) * A.bt_stride;
+        std::vector<std::pair<int, int>> shared;      // (tiles shared with the leader, sequence)
+        for (size_t i = 1; i < cand.size(); ++i) {
+            const int s = cand[i];
+            const int32_t* st = A.bt + static_cast<int64_t>(s) * A.bt_stride;
+            const int cap = std::min(tiles_before[lead], tiles_before[s]);
+            const int blocks = (cap * TILE + A.B - 1) / A.B;
+            int same = 0;
+            while (same < blocks && st[same] == lt[same]) ++same;
+            shared.push_back({std::min(cap, same * A.B / TILE), s});
+        }
+        std::stable_sort(shared.begin(), shared.end(), [](auto& x, auto& y) { return x.first > y.first; });
+        int64_t best = 0;
+        size_t keep = 0;
+        for (size_t k = 0; k < shared.size(); ++k) {
+            const int64_t saved = static_cast<int64_t>(k + 1) * shared[k].first;
+            if (shared[k].first >= MIN_SHARED_TILES && saved > best) { best = saved; keep = k + 1; }
+        }
+        if (keep == 0) { cand.erase(cand.begin()); continue; }
+        std::vector<int> members{lead};
+        for (size_t k = 0; k < keep; ++k) members.push_back(shared[k].second);
+        groups.push_back({members, shared[keep - 1].first});
+        std::vector<int> rest;
+        for (size_t k = keep; k < shared.size(); ++k) rest.push_back(shared[k].second);
+        std::sort(rest.begin(), rest.end());
+        cand = rest;
+    }
 }
 
-// One item: query tokens [a, b) of sequence s (rows of q), every head. Token a + i sits at position
-// first + i, where first = lens[s] - (qstart[s + 1] - a).
-template <int NV>
-void run_item(const Args& A, int s, int a, int b) {
-    constexpr int W = 8 * NV;                        // words a row (D / 2)
-    constexpr int D = 16 * NV;
-    const int H = A.H, G = A.H / A.Hkv, B = A.B, nt = b - a, nr = nt * G;
-    const int first = A.lens[s] - (A.qstart[s + 1] - a), last = first + nt - 1;
-    thread_local std::vector<float> qbuf, sbuf, kbuf, vbuf, pbuf, abuf;
-    uint32_t* qw = reinterpret_cast<uint32_t*>(align64(qbuf, static_cast<size_t>(nr) * W));
-    float* sc = align64(sbuf, static_cast<size_t>(nr) * TILE);
-    uint32_t* kt = reinterpret_cast<uint32_t*>(align64(kbuf, static_cast<size_t>(TILE) * W));
-    uint32_t* vt = reinterpret_cast<uint32_t*>(align64(vbuf, static_cast<size_t>(TILE / 2) * D));
-    uint32_t* pw = reinterpret_cast<uint32_t*>(align64(pbuf, static_cast<size_t>(nr) * TILE / 2));
-    float* acc = align64(abuf, static_cast<size_t>(nr) * D);
-    const uint32_t* qrow[MAX_ROWS];
-    const uint32_t* prow[MAX_ROWS];
-    float* arow[MAX_ROWS];
-    float mx[MAX_ROWS], sum[MAX_ROWS], alpha[MAX_ROWS];
-    int pos[MAX_ROWS];
-    for (int x = 0; x < nr; ++x) {
-        qrow[x] = qw + x * W;
-        prow[x] = pw + x * (TILE / 2);
-        arow[x] = acc + x * D;
-        pos[x] = first + x / G;
+// Items of up to `qb` tokens of sequence s over keys [k0, its last position].
+void own_items(const Args& A, int s, int qb, int k0, int flags, Plan& p) {
+    const int q0 = A.qstart[s], q1 = A.qstart[s + 1];
+    for (int a = q0; a < q1; a += qb) {
+        const int b = std::min(q1, a + qb), k1 = first_pos(A, s, b - 1) + 1;
+        p.phase[flags & RESUME ? 1 : 0].push_back({static_cast<int>(p.segs.size()), 1, k0, k1, flags,
+                                                   static_cast<int64_t>(b - a) * (k1 - k0)});
+        p.segs.push_back({s, a, b});
     }
-    const int32_t* table = A.bt + static_cast<int64_t>(s) * A.bt_stride;
-    const uint16_t* krow[TILE];
-    const uint16_t* vrow[TILE];
-    for (int h = 0; h < A.Hkv; ++h) {
-        for (int x = 0; x < nr; ++x) {        // row x: token a + x / G, head h G + x % G
-            const float* src = A.q + (static_cast<int64_t>(a + x / G) * H + h * G + x % G) * D;
-            pack_q(src, A.scale, D, qw + x * W);
-            mx[x] = -INFINITY;
-            sum[x] = 0.f;
-            for (int d = 0; d < D; ++d) arow[x][d] = 0.f;
+}
+
+Plan make_plan(const Args& A, const int32_t* seqs, int n_seqs, bool cascade, int threads) {
+    Plan p;
+    const int G = A.H / A.Hkv;
+    int64_t tokens = 0;
+    for (int i = 0; i < n_seqs; ++i) tokens += A.qstart[seqs[i] + 1] - A.qstart[seqs[i]];
+    // tokens an item: ITEM_ROWS rows, fewer where that would leave threads idle
+    int qb = std::max(1, ITEM_ROWS / G);
+    while (qb > 4 && tokens * A.Hkv / qb < static_cast<int64_t>(ITEMS_PER_THREAD) * threads) qb /= 2;
+    int n_lens = 0;
+    for (int i = 0; i < n_seqs; ++i) n_lens = std::max(n_lens, seqs[i] + 1);
+    p.state_row.assign(n_lens, -1);
+    std::vector<std::pair<std::vector<int>, int>> groups;
+    if (cascade && n_seqs > 1) {
+        std::vector<int> tiles_before(n_lens, 0);     // whole tiles before a sequence's chunk
+        std::unordered_map<int32_t, std::vector<int>> by_first_block;
+        for (int i = 0; i < n_seqs; ++i) {
+            const int s = seqs[i], q0 = A.qstart[s];
+            if (A.qstart[s + 1] == q0) continue;
+            tiles_before[s] = first_pos(A, s, q0) / TILE;
+            if (tiles_before[s] >= MIN_SHARED_TILES) by_first_block[A.bt[static_cast<int64_t>(s) * A.bt_stride]].push_back(s);
         }
-        for (int t0 = 0; t0 <= last; t0 += TILE) {
-            const int n = std::min(TILE, last + 1 - t0), chunks = (n + 15) / 16;
-            for (int j = 0; j < n; ++j) {
-                const int64_t blk = table[(t0 + j) / B], off = (t0 + j) % B;
-                krow[j] = A.kc + blk * A.kc_blk + off * A.kc_tok + h * A.kc_head;
-                vrow[j] = A.vc + blk * A.vc_blk + off * A.vc_tok + h * A.vc_head;
+        for (auto& kv : by_first_block) {
+            std::sort(kv.second.begin(), kv.second.end());
+            if (kv.second.size() >= 2) find_groups(A, kv.second, tiles_before, groups);
+        }
+    }
+    std::vector<char> grouped(n_lens, 0);
+    for (auto& [members, tiles] : groups) {
+        const int P = tiles * TILE;
+        int64_t group_tokens = 0;
+        for (int s : members) {
+            grouped[s] = 1;
+            p.state_row[s] = p.state_rows;
+            p.state_rows += A.qstart[s + 1] - A.qstart[s];
+            group_tokens += A.qstart[s + 1] - A.qstart[s];
+        }
+        // phase 1: the members' tokens in items of up to `take` tokens (segments across members)
+        const int64_t wanted = std::max<int64_t>(1, (static_cast<int64_t>(ITEMS_PER_THREAD) * threads + A.Hkv - 1) / A.Hkv);
+        const int take = static_cast<int>(std::clamp<int64_t>((group_tokens + wanted - 1) / wanted, 1, CASCADE_TOKENS));
+        Item it{static_cast<int>(p.segs.size()), 0, 0, P, SAVE, 0};
+        int in_item = 0;
+        for (int s : members) {
+            for (int a = A.qstart[s]; a < A.qstart[s + 1];) {
+                const int b = std::min(A.qstart[s + 1], a + take - in_item);
+                p.segs.push_back({s, a, b});
+                ++it.nseg;
+                in_item += b - a;
+                a = b;
+                if (in_item == take) {
+                    it.cost = static_cast<int64_t>(in_item) * P;
+                    p.phase[0].push_back(it);
+                    it = Item{static_cast<int>(p.segs.size()), 0, 0, P, SAVE, 0};
+                    in_item = 0;
+                }
             }
-            pack_k(krow, n, D, kt);
+        }
+        if (in_item > 0) {
+            it.cost = static_cast<int64_t>(in_item) * P;
+            p.phase[0].push_back(it);
+        }
+        for (int s : members) own_items(A, s, qb, P, RESUME, p);     // phase 2
+        ++p.groups;
+        p.grouped_keys += static_cast<int64_t>(members.size()) * P;
+    }
+    for (int i = 0; i < n_seqs; ++i)
+        if (!grouped[seqs[i]]) own_items(A, seqs[i], qb, 0, 0, p);
+    for (auto& ph : p.phase)      // the longest first, so that dynamic scheduling ends with the short ones
+        std::stable_sort(ph.begin(), ph.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    return p;
+}
+
+template <typename T>
+inline T* aligned(std::vector<T>& v, size_t n) {      // n elements, 64-byte aligned
+    v.resize(n + 64 / sizeof(T));
+    return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
+}
+
+// float32 tiles over a bf16 (KV = uint16_t) or float32 cache.
+template <typename KV>
+struct F32Tiles {
+    int D;
+    float *q, *kt, *vt, *sc, *alpha;
+    const float** qrow;
+    F32Tiles(int nr, int d) : D(d) {
+        thread_local std::vector<float> qb, kb, vb, sb, ab;
+        thread_local std::vector<const float*> rb;
+        q = aligned(qb, static_cast<size_t>(nr) * D);
+        kt = aligned(kb, static_cast<size_t>(TILE) * D);
+        vt = aligned(vb, static_cast<size_t>(TILE) * D);
+        sc = aligned(sb, static_cast<size_t>(nr) * TILE);
+        alpha = aligned(ab, nr);
+        qrow = aligned(rb, nr);
+    }
+    void set_q(int x, const float* src, float scale) {         // q * scale * log2 e: scores in log2 units
+        const float s = scale * 1.4426950408889634f;
+        qrow[x] = q + static_cast<int64_t>(x) * D;
+        for (int d = 0; d < D; ++d) q[static_cast<int64_t>(x) * D + d] = src[d] * s;
+    }
+    // One row's online-softmax update over its `valid` first scores s[0..valid) of a tile (all of them when
+    // FULL: the same result without the masks): the weights 2^(s - max) replace the scores, zero from valid
+    // to the tile's chunks.
+    template <bool FULL>
+    static void weights(float* s, int valid, int chunks, float& mx, float& sum, float& alpha) {
+        using namespace prefixserve_f32;
+        const int mine = FULL ? TILE / L : (valid + L - 1) / L;
+        const V neg_inf = vset1(-INFINITY);
+        V m = neg_inf;
+        for (int c = 0; c < mine; ++c)
+            m = vmax(m, FULL ? vload(s + c * L) : vfirst(vload(s + c * L), valid - c * L, neg_inf));
+        const float top = std::max(mx, vhmax(m));
+        alpha = std::exp2(mx - top);
+        const V tv = vset1(top);
+        V tot = vzero();
+        for (int c = 0; c < mine; ++c) {
+            const V e = vexp2(vsub(vload(s + c * L), tv));
+            const V w = FULL ? e : vfirst(e, valid - c * L, vzero());
+            vstore(s + c * L, w);
+            tot = vadd(tot, w);
+        }
+        for (int c = mine; c < chunks; ++c) vstore(s + c * L, vzero());
+        sum = sum * alpha + vhsum(tot);
+        mx = top;
+    }
+    // rows [x0, nr) over the n keys of the tile at t0 (every row at or past t0)
+    void step(const KV* const* krow, const KV* const* vrow, int n, int t0, int x0, int nr, const int* pos, float* mx,
+              float* sum, float* const* acc) {
+        using namespace prefixserve_f32;
+        const float* vp[TILE];
+        pack_k(krow, n, D, kt);
+        if constexpr (sizeof(KV) == 2) {
             pack_v(vrow, n, D, vt);
-            switch (chunks) {
-                case 1: scores_rows<1>(qrow, nr, kt, W, sc, TILE); break;
-                case 2: scores_rows<2>(qrow, nr, kt, W, sc, TILE); break;
-                case 3: scores_rows<3>(qrow, nr, kt, W, sc, TILE); break;
-                default: scores_rows<4>(qrow, nr, kt, W, sc, TILE); break;
-            }
-            for (int x = 0; x < nr; ++x) {
-                const int valid = std::min(n, pos[x] - t0 + 1);     // keys at positions <= the row's own
-                uint32_t* pr = pw + x * (TILE / 2);
-                if (valid <= 0) {                                  // nothing here for this row: unchanged
-                    alpha[x] = 1.f;
-                    for (int c = 0; c < TILE / 2; c += 16) _mm512_store_si512(pr + c, _mm512_setzero_si512());
-                    continue;
-                }
-                const float* s_ = sc + x * TILE;
-                __m512 m = _mm512_set1_ps(-INFINITY);
-                for (int c = 0; c < chunks; ++c) {
-                    const int k = valid - 16 * c;
-                    const __mmask16 ok = static_cast<__mmask16>(k >= 16 ? 0xffff : k > 0 ? (1u << k) - 1 : 0);
-                    m = _mm512_mask_max_ps(m, ok, m, _mm512_load_ps(s_ + 16 * c));
-                }
-                const float top = std::max(mx[x], _mm512_reduce_max_ps(m));
-                alpha[x] = std::exp(mx[x] - top);
-                mx[x] = top;
-                __m512 e[TILE / 16];
-                __m512 tot = _mm512_setzero_ps();
-                for (int c = 0; c < TILE / 16; ++c) {
-                    const int k = valid - 16 * c;
-                    const __mmask16 ok = static_cast<__mmask16>(k >= 16 ? 0xffff : k > 0 ? (1u << k) - 1 : 0);
-                    e[c] = c < chunks ? _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(_mm512_load_ps(s_ + 16 * c),
-                                                                                        _mm512_set1_ps(top))))
-                                      : _mm512_setzero_ps();
-                    tot = _mm512_add_ps(tot, e[c]);
-                }
-                sum[x] = sum[x] * alpha[x] + _mm512_reduce_add_ps(tot);
-                for (int c = 0; c < TILE / 16; c += 2) pack_p(e[c], e[c + 1], pr + c * 8);
-            }
-            values_rows<NV>(arow, alpha, prow, vt, (n + 1) / 2, nr);
+            for (int j = 0; j < n; ++j) vp[j] = vt + j * D;
+        } else {
+            for (int j = 0; j < n; ++j) vp[j] = vrow[j];
         }
-        for (int x = 0; x < nr; ++x) {
-            float* o = A.out + (static_cast<int64_t>(a + x / G) * H + h * G + x % G) * D;
-            const float inv = sum[x] > 0.f ? 1.f / sum[x] : 0.f;
-            for (int d = 0; d < D; ++d) o[d] = arow[x][d] * inv;
+        const int chunks = (n + L - 1) / L;
+        scores_rows(qrow + x0, nr - x0, kt, D, chunks, sc + static_cast<int64_t>(x0) * TILE, TILE);
+        for (int x = x0; x < nr; ++x) {
+            const int valid = std::min(n, pos[x] - t0 + 1);
+            if (valid == TILE) weights<true>(sc + static_cast<int64_t>(x) * TILE, TILE, chunks, mx[x], sum[x], alpha[x]);
+            else weights<false>(sc + static_cast<int64_t>(x) * TILE, valid, chunks, mx[x], sum[x], alpha[x]);
+        }
+        values_rows(acc + x0, alpha + x0, sc + static_cast<int64_t>(x0) * TILE, TILE, vp, n, D, nr - x0);
+    }
+};
+
+#if defined(PREFIXSERVE_BF16)
+// bf16 tiles (D = 16 NV) over a bf16 cache.
+template <int NV>
+struct Bf16Tiles {
+    static constexpr int W = 8 * NV, D = 16 * NV;     // 32-bit words (dimension pairs) a row; dimensions
+    uint32_t *qw, *kt, *vt, *pw;
+    float *sc, *alpha;
+    const uint32_t** qrow;
+    const uint32_t** prow;
+    Bf16Tiles(int nr, int) {
+        thread_local std::vector<uint32_t> qb, kb, vb, pb;
+        thread_local std::vector<float> sb, ab;
+        thread_local std::vector<const uint32_t*> rb, pr;
+        qw = aligned(qb, static_cast<size_t>(nr) * W);
+        kt = aligned(kb, static_cast<size_t>(TILE) * W);
+        vt = aligned(vb, static_cast<size_t>(TILE / 2) * D);
+        pw = aligned(pb, static_cast<size_t>(nr) * TILE / 2);
+        sc = aligned(sb, static_cast<size_t>(nr) * TILE);
+        alpha = aligned(ab, nr);
+        qrow = aligned(rb, nr);
+        prow = aligned(pr, nr);
+    }
+    void set_q(int x, const float* src, float scale) {
+        qrow[x] = qw + static_cast<int64_t>(x) * W;
+        prow[x] = pw + static_cast<int64_t>(x) * (TILE / 2);
+        prefixserve_bf16::pack_q(src, scale, D, qw + static_cast<int64_t>(x) * W);
+    }
+    void step(const uint16_t* const* krow, const uint16_t* const* vrow, int n, int t0, int x0, int nr, const int* pos,
+              float* mx, float* sum, float* const* acc) {
+        using namespace prefixserve_bf16;
+        const int chunks = (n + 15) / 16, rows = nr - x0;
+        float* sx = sc + static_cast<int64_t>(x0) * TILE;
+        pack_k(krow, n, D, kt);
+        pack_v(vrow, n, D, vt);
+        switch (chunks) {
+            case 1: scores_rows<1>(qrow + x0, rows, kt, W, sx, TILE); break;
+            case 2: scores_rows<2>(qrow + x0, rows, kt, W, sx, TILE); break;
+            case 3: scores_rows<3>(qrow + x0, rows, kt, W, sx, TILE); break;
+            default: scores_rows<4>(qrow + x0, rows, kt, W, sx, TILE); break;
+        }
+        for (int x = x0; x < nr; ++x) {
+            const int valid = std::min(n, pos[x] - t0 + 1);     // keys at positions <= the row's own
+            uint32_t* pr = pw + static_cast<int64_t>(x) * (TILE / 2);
+            const float* s_ = sc + static_cast<int64_t>(x) * TILE;
+            __m512 m = _mm512_set1_ps(-INFINITY);
+            for (int c = 0; c < chunks; ++c) {
+                const int k = valid - 16 * c;
+                const __mmask16 ok = static_cast<__mmask16>(k >= 16 ? 0xffff : k > 0 ? (1u << k) - 1 : 0);
+                m = _mm512_mask_max_ps(m, ok, m, _mm512_load_ps(s_ + 16 * c));
+            }
+            const float top = std::max(mx[x], _mm512_reduce_max_ps(m));
+            alpha[x] = std::exp(mx[x] - top);
+            mx[x] = top;
+            __m512 e[TILE / 16];
+            __m512 tot = _mm512_setzero_ps();
+            for (int c = 0; c < TILE / 16; ++c) {
+                const int k = valid - 16 * c;
+                const __mmask16 ok = static_cast<__mmask16>(k >= 16 ? 0xffff : k > 0 ? (1u << k) - 1 : 0);
+                e[c] = c < chunks ? _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(_mm512_load_ps(s_ + 16 * c),
+                                                                                    _mm512_set1_ps(top))))
+                                  : _mm512_setzero_ps();
+                tot = _mm512_add_ps(tot, e[c]);
+            }
+            sum[x] = sum[x] * alpha[x] + _mm512_reduce_add_ps(tot);
+            for (int c = 0; c < TILE / 16; c += 2) pack_p(e[c], e[c + 1], pr + c * 8);
+        }
+        values_rows<NV>(acc + x0, alpha + x0, prow + x0, vt, (n + 1) / 2, rows);
+    }
+};
+#endif
+
+template <typename KV>
+inline void prefetch_row(const KV* p, int D) {
+    for (int64_t b = 0; b < static_cast<int64_t>(sizeof(KV)) * D; b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 3);
+}
+
+// One item, KV head h: its rows' softmax state from scratch (or resumed from `state`), keys [k0, k1) tile by
+// tile through the table of its first sequence, then each row's output (or its state saved).
+template <typename Tiles, typename KV>
+void run_item(const Args& A, const Plan& p, const Item& it, int h, float* state) {
+    const int H = A.H, G = A.H / A.Hkv, D = A.D, PS = D + 2;
+    int nr = 0;
+    for (int i = 0; i < it.nseg; ++i) nr += (p.segs[it.seg0 + i].b - p.segs[it.seg0 + i].a) * G;
+    thread_local std::vector<float> ab, mb, sb;
+    thread_local std::vector<int> posb;
+    thread_local std::vector<float*> accb, stb;
+    thread_local std::vector<int64_t> outb;
+    float* acc = aligned(ab, static_cast<size_t>(nr) * D);
+    float* mx = aligned(mb, nr);
+    float* sum = aligned(sb, nr);
+    int* pos = aligned(posb, nr);
+    float** arow = aligned(accb, nr);
+    float** st = aligned(stb, nr);
+    int64_t* orow = aligned(outb, nr);
+    Tiles tiles(nr, D);
+    int x = 0;
+    for (int i = 0; i < it.nseg; ++i) {
+        const Seg& g = p.segs[it.seg0 + i];
+        for (int t = g.a; t < g.b; ++t) {
+            for (int r = 0; r < G; ++r, ++x) {              // row x: token t, head h G + r
+                const int64_t o = (static_cast<int64_t>(t) * H + h * G + r) * D;
+                tiles.set_q(x, A.q + o, A.scale);
+                orow[x] = o;
+                pos[x] = first_pos(A, g.s, t);
+                arow[x] = acc + static_cast<int64_t>(x) * D;
+                st[x] = state == nullptr ? nullptr :
+                        state + ((p.state_row[g.s] + t - A.qstart[g.s]) * H + h * G + r) * PS;
+                if (it.flags & RESUME) {
+                    mx[x] = st[x][0];
+                    sum[x] = st[x][1];
+                    std::memcpy(arow[x], st[x] + 2, sizeof(float) * D);
+                } else {
+                    mx[x] = -INFINITY;
+                    sum[x] = 0.f;
+                    std::memset(arow[x], 0, sizeof(float) * D);
+                }
+            }
+        }
+    }
+    const KV* kc = static_cast<const KV*>(A.kc);
+    const KV* vc = static_cast<const KV*>(A.vc);
+    const int32_t* table = A.bt + static_cast<int64_t>(p.segs[it.seg0].s) * A.bt_stride;
+    const KV* krow[TILE];
+    const KV* vrow[TILE];
+    int x0 = 0;      // NOTE: an item's rows are in position order (one sequence), or all see every key (phase 1)
+    for (int t0 = it.k0; t0 < it.k1; t0 += TILE) {
+        const int n = std::min(TILE, it.k1 - t0);
+        while (x0 < nr && pos[x0] < t0) ++x0;
+        for (int j = 0; j < n; ++j) {
+            const int64_t blk = table[(t0 + j) / A.B], off = (t0 + j) % A.B;
+            krow[j] = kc + blk * A.kc_blk + off * A.kc_tok + h * A.kc_head;
+            vrow[j] = vc + blk * A.vc_blk + off * A.vc_tok + h * A.vc_head;
+        }
+        for (int j = t0 + TILE; j < std::min(it.k1, t0 + 2 * TILE); ++j) {     // the next tile's rows, meanwhile
+            const int64_t blk = table[j / A.B], off = j % A.B;
+            prefetch_row(kc + blk * A.kc_blk + off * A.kc_tok + h * A.kc_head, D);
+            prefetch_row(vc + blk * A.vc_blk + off * A.vc_tok + h * A.vc_head, D);
+        }
+        tiles.step(krow, vrow, n, t0, x0, nr, pos, mx, sum, arow);
+    }
+    for (int y = 0; y < nr; ++y) {
+        if (it.flags & SAVE) {
+            st[y][0] = mx[y];
+            st[y][1] = sum[y];
+            std::memcpy(st[y] + 2, arow[y], sizeof(float) * D);
+        } else {
+            float* o = A.out + orow[y];
+            const float inv = sum[y] > 0.f ? 1.f / sum[y] : 0.f;
+            for (int d = 0; d < D; ++d) o[d] = arow[y][d] * inv;
         }
     }
 }
 
-template <int NV>
-void prefill(const Args& A, const int32_t* seqs, int n_seqs) {
-    struct Item { int s, a, b, cost; };
-    std::vector<Item> items;
-    for (int i = 0; i < n_seqs; ++i) {
-        const int s = seqs[i], q0 = A.qstart[s], q1 = A.qstart[s + 1];
-        for (int a = q0; a < q1; a += QB) {
-            const int b = std::min(q1, a + QB);
-            items.push_back({s, a, b, A.lens[s] - (q1 - b)});
-        }
+template <typename Tiles, typename KV>
+void prefill(const Args& A, const Plan& p) {
+    std::unique_ptr<float[]> state(p.state_rows > 0 ? new float[p.state_rows * A.H * (A.D + 2)] : nullptr);
+    const int n0 = static_cast<int>(p.phase[0].size()) * A.Hkv, n1 = static_cast<int>(p.phase[1].size()) * A.Hkv;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < n0; ++i) run_item<Tiles, KV>(A, p, p.phase[0][i / A.Hkv], i % A.Hkv, state.get());
+        #pragma omp for schedule(dynamic, 1)     // after every phase-1 item (the implied barrier)
+        for (int i = 0; i < n1; ++i) run_item<Tiles, KV>(A, p, p.phase[1][i / A.Hkv], i % A.Hkv, state.get());
     }
-    // the longest first, so that dynamic scheduling ends with the short ones
-    std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (size_t i = 0; i < items.size(); ++i) run_item<NV>(A, items[i].s, items[i].a, items[i].b);
 }
-#endif
 
 }  // namespace
 
 extern "C" {
 
 // q [T, H, D] float32 (rows of sequence s: qstart[s] .. qstart[s + 1], the last positions of its lens[s]);
-// caches bfloat16 [blocks, B, Hkv, D] (strides given, D contiguous); out [T, H, D] float32. Only the rows
-// of the sequences listed in seqs are computed. Returns 0, or < 0 where this kernel does not apply (the
-// caller takes its other path): -1 shapes, -2 no AVX-512 BF16 on this CPU / compiler.
+// caches [blocks, B, Hkv, D] float32 (kv_dtype 0) or bfloat16 (1), strides given, D contiguous; out [T, H, D]
+// float32. Only the rows of the sequences listed in seqs are computed. cascade: 1 to walk shared leading tiles
+// once for all. stats (null, or 3 int64): cascade groups; members x shared keys, summed over the groups; keys
+// walked in all (summed over the items, per KV head). Returns 0, or -1 for shapes it does not take.
 int prefixserve_paged_prefill(const float* q, const void* kc, const void* vc, const int32_t* bt, int64_t bt_stride,
                               const int32_t* lens, const int32_t* qstart, const int32_t* seqs, int n_seqs, float* out,
                               int H, int Hkv, int D, int B, float scale, int64_t kc_blk, int64_t kc_tok,
-                              int64_t kc_head, int64_t vc_blk, int64_t vc_tok, int64_t vc_head) {
-#if defined(PREFIXSERVE_BF16)
-    if (n_seqs <= 0) return 0;
-    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || B <= 0 || D % 32 != 0 || D > 256) return -1;
-    const Args A{q, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), bt, bt_stride, lens, qstart,
-                 out, H, Hkv, D, B, scale, kc_blk, kc_tok, kc_head, vc_blk, vc_tok, vc_head};
-    switch (D / 16) {
-        case 2: prefill<2>(A, seqs, n_seqs); return 0;
-        case 4: prefill<4>(A, seqs, n_seqs); return 0;
-        case 6: prefill<6>(A, seqs, n_seqs); return 0;
-        case 8: prefill<8>(A, seqs, n_seqs); return 0;
-        case 16: prefill<16>(A, seqs, n_seqs); return 0;
-        default: return -1;
+                              int64_t kc_head, int64_t vc_blk, int64_t vc_tok, int64_t vc_head, int kv_dtype,
+                              int cascade, int64_t* stats) {
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || B <= 0 || D % 16 != 0 || D > MAX_D || kv_dtype < 0 ||
+        kv_dtype > 1)
+        return -1;
+    const Args A{q, kc, vc, bt, bt_stride, lens, qstart, out, H, Hkv, D, B, scale, kc_blk, kc_tok, kc_head,
+                 vc_blk, vc_tok, vc_head};
+    const Plan p = make_plan(A, seqs, std::max(0, n_seqs), cascade != 0, omp_get_max_threads());
+    if (stats != nullptr) {
+        int64_t keys = 0;
+        for (const auto& ph : p.phase)
+            for (const Item& it : ph) keys += it.k1 - it.k0;
+        stats[0] = p.groups;
+        stats[1] = p.grouped_keys;
+        stats[2] = keys;
     }
-#else
-    (void)q; (void)kc; (void)vc; (void)bt; (void)bt_stride; (void)lens; (void)qstart; (void)seqs; (void)n_seqs;
-    (void)out; (void)H; (void)Hkv; (void)D; (void)B; (void)scale; (void)kc_blk; (void)kc_tok; (void)kc_head;
-    (void)vc_blk; (void)vc_tok; (void)vc_head;
-    return -2;
+    if (kv_dtype == 0) { prefill<F32Tiles<float>, float>(A, p); return 0; }
+#if defined(PREFIXSERVE_BF16)
+    switch (D / 16) {
+        case 2: prefill<Bf16Tiles<2>, uint16_t>(A, p); return 0;
+        case 4: prefill<Bf16Tiles<4>, uint16_t>(A, p); return 0;
+        case 6: prefill<Bf16Tiles<6>, uint16_t>(A, p); return 0;
+        case 8: prefill<Bf16Tiles<8>, uint16_t>(A, p); return 0;
+        case 16: prefill<Bf16Tiles<16>, uint16_t>(A, p); return 0;
+        default: break;
+    }
 #endif
+    prefill<F32Tiles<uint16_t>, uint16_t>(A, p);
+    return 0;
 }
 
-// 1 where this build has the bf16 loops (AVX-512 BF16), else 0.
-int prefixserve_paged_prefill_available() {
+// The loops a cache dtype runs: "avx512_bf16" (bf16 products), "avx512", "avx2" or "generic" (float32 products).
+const char* prefixserve_paged_prefill_path(int kv_dtype, int head_dim) {
 #if defined(PREFIXSERVE_BF16)
-    return 1;
+    if (kv_dtype == 1 && head_dim % 32 == 0 && (head_dim / 16 == 2 || head_dim / 16 == 4 || head_dim / 16 == 6 ||
+                                                head_dim / 16 == 8 || head_dim / 16 == 16))
+        return "avx512_bf16";
 #else
-    return 0;
+    (void)kv_dtype; (void)head_dim;
+#endif
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "generic";
 #endif
 }
 

@@ -1,70 +1,117 @@
-"""Paged prefill attention on the CPU for bfloat16 caches (kernels/cpu/paged_prefill.cpp): every prompt
-chunk of a step in one call, each over its sequence's whole context read in place through the block
-table, GQA-aware, causal, the products as bf16 dot products (AVX-512 BF16) with float32 sums.
+"""Paged prefill attention on the CPU (kernels/cpu/paged_prefill.cpp): every prompt chunk of a step in one call,
+each over its sequence's whole context read in place through the block table, GQA-aware, causal, and cascade:
+sequences whose block tables start with the same blocks (a shared system prompt) walk those tiles once for all
+of them instead of once each.
 
     q [num_tokens, num_heads, head_dim] float32 -> out, the same shape (rows of the listed sequences)
-    key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim] bfloat16, head_dim contiguous
+    key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim] bfloat16 or float32, head_dim contiguous
 
-Agreement criterion (tested in tests/kernels/cpu/test_cpu_prefill.py):
-- against float64 attention over the same bf16 cache, each output within 0.5% of the largest |V| (the
-  kernel rounds q * scale and the softmax weights to bf16; measured 0.07-0.15%);
-- bit for bit the same output for a token however its prompt was cut into chunks, and however much of
-  it came from the prefix cache, given the same K and V in the cache (every row walks the same tiles,
-  aligned to absolute positions, with the same instructions). Whether the K / V rows another request wrote
-  are bit for bit the ones this request would have written is the rest of the model's business: in the
-  batch-invariant mode they are; by default the quantized layers pick their GEMM by the step's shape, so a
-  request that hits another's blocks may read K / V that differ in the last bits (README, "Batch invariance").
+Two kinds of loops (`path`): on a build with AVX-512 BF16, a bf16 cache's products are bf16 dot products with
+float32 sums ("avx512_bf16"); everywhere else, and for float32 caches, float32 products with FMA ("avx512",
+"avx2", or "generic": portable loops).
 
-Where it does not apply (a float32 cache, a build without AVX-512 BF16, other shapes), `PagedPrefill.prefill`
-returns None and the caller keeps its flash path.
+Agreement criteria (tested in tests/kernels/cpu/test_cpu_prefill.py):
+- against float64 attention over the same cache: float32 products, within float32 rounding (2e-5 of the
+  largest |V|); bf16 products, within 0.5% of the largest |V| (the kernel rounds q * scale and the softmax
+  weights to bf16; measured 0.07-0.15%);
+- bit for bit the same output for a token however its prompt was cut into chunks, however much of it came
+  from the prefix cache, and with or without cascade, given the same K and V in the cache: every row walks
+  the same tiles, aligned to absolute positions, with the same arithmetic, and the cascade only saves a row's
+  softmax state after the shared tiles and resumes from it (no merge of partial sums). Whether the K / V rows
+  another request wrote are bit for bit the ones this request would have written is the rest of the model's
+  business: in the batch-invariant mode they are; by default the quantized layers pick their GEMM by the
+  step's shape, so a request that hits another's blocks may read K / V that differ in the last bits (README,
+  "Batch invariance").
+
+Where it does not apply (other shapes or dtypes), `PagedPrefill.prefill` returns None and the caller keeps
+its flash path.
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-    return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim // 16 in (2, 4, 6, 8, 16)
-            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16)
+    return (dtype in _DTYPES and head_dim % 16 == 0 and 0 < head_dim <= 256 and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= 16)
+
+
+@dataclass(frozen=True)
+class PrefillStats:
+    """What one call's plan did (per KV head; for tests and the benchmark's bytes-read figures)."""
+
+    groups: int              # cascade groups: sequences sharing leading tiles
+    grouped_keys: int        # members x shared keys, summed over the groups: what their phase 1 covers
+    keys: int                # keys walked in all, summed over the work items: K / V rows read per KV head
 
 
 class PagedPrefill:
-    """The kernel of one build (kernels/cpu/library.py loads it); `available`: this build has the bf16 loops."""
+    """The kernel of one build (kernels/cpu/library.py loads it)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.available = bool(lib.prefixserve_paged_prefill_available())
         f = lib.prefixserve_paged_prefill
         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        f.argtypes = [p, p, p, p, i64, p, p, p, i, p, i, i, i, i, ctypes.c_float, i64, i64, i64, i64, i64, i64]
+        f.argtypes = [p, p, p, p, i64, p, p, p, i, p, i, i, i, i, ctypes.c_float, i64, i64, i64, i64, i64, i64,
+                      i, i, p]
         f.restype = ctypes.c_int
         self._fn = f
+        self._path = lib.prefixserve_paged_prefill_path
+        self._path.argtypes = [i, i]
+        self._path.restype = ctypes.c_char_p
+
+    def path(self, dtype: torch.dtype = torch.bfloat16, head_dim: int = 64) -> str:
+        """The loops a cache of this dtype runs: avx512_bf16 (bf16 products), avx512, avx2 or generic (float32)."""
+        return self._path(_DTYPES[dtype], head_dim).decode()
 
     def prefill(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, seqs: list[int],
-                scale: float, out: torch.Tensor) -> torch.Tensor | None:
+                scale: float, out: torch.Tensor, cascade: bool = True) -> torch.Tensor | None:
         """Fills out's rows of the sequences `seqs` (the step's prompt chunks): sequence s's queries are rows
         query_start_loc[s] .. query_start_loc[s + 1] of q, the last positions of its seq_lens[s] tokens, whose
         K / V are already in the cache. Returns out, or None where the kernel does not apply."""
+        return out if self._run(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, seqs, scale,
+                                out, cascade) is not None else None
+
+    def prefill_stats(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      seqs: list[int], scale: float, out: torch.Tensor, cascade: bool = True) -> PrefillStats | None:
+        """`prefill`, returning what its plan did instead of out (None where the kernel does not apply)."""
+        return self._run(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, seqs, scale, out,
+                         cascade)
+
+    def _run(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, seqs: list[int], scale: float, out: torch.Tensor,
+             cascade: bool) -> PrefillStats | None:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = key_cache.shape[2]
-        if not self.available or not supports(num_heads, num_kv_heads, head_dim, key_cache.dtype):
+        if not supports(num_heads, num_kv_heads, head_dim, key_cache.dtype):
             return None
         assert q.dtype == out.dtype == torch.float32 and q.is_contiguous() and out.is_contiguous()
+        assert q.shape == out.shape and key_cache.shape[3] == head_dim
         assert key_cache.dtype == value_cache.dtype and key_cache.shape == value_cache.shape
         assert key_cache.stride(-1) == value_cache.stride(-1) == 1
         block_tables = block_tables.contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         starts = query_start_loc.to(torch.int32).contiguous()
         assert block_tables.dtype == torch.int32 and lens.shape[0] == block_tables.shape[0] == starts.shape[0] - 1
+        assert all(0 <= s < lens.shape[0] for s in seqs)
         which = torch.tensor(seqs, dtype=torch.int32)
+        stats = torch.zeros(3, dtype=torch.int64)
         rc = self._fn(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
                       block_tables.stride(0), lens.data_ptr(), starts.data_ptr(), which.data_ptr(), len(seqs),
                       out.data_ptr(), num_heads, num_kv_heads, head_dim, key_cache.shape[1], scale,
                       key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
-                      value_cache.stride(1), value_cache.stride(2))
-        return out if rc == 0 else None
+                      value_cache.stride(1), value_cache.stride(2), _DTYPES[key_cache.dtype], int(cascade),
+                      stats.data_ptr())
+        if rc != 0:
+            return None
+        groups, shared, keys = stats.tolist()
+        return PrefillStats(groups, shared, keys)
 
 
-__all__ = ["PagedPrefill", "supports"]
+__all__ = ["PagedPrefill", "PrefillStats", "supports"]
