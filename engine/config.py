@@ -90,6 +90,9 @@ class EngineConfig:
                                                "published prefixes and a server without keys have the cap only")
     torch_threads: int | None = knob(None, "torch intra-op threads (serve / generate default: the cores this "
                                            "process may use, affinity and cgroup quota; offline LLM(): torch's)")
+    adaptive_threads: bool = knob(True, "fewer torch threads while other processes want the same cores (the "
+                                        "threads' schedstat wait / run ratio; engine/worker/threads.py), one more "
+                                        "when they leave; off with torch's default threads or batch_invariant")
     chat_template: str | None = knob(None, "a Jinja chat template (a file, or the template itself) replacing "
                                            "the checkpoint's")
     grammar_compile_timeout: float = knob(10.0, "seconds of CPU time a structured-output grammar (json_schema, "

@@ -42,6 +42,7 @@ from engine.sched.forks import Forks
 from engine.sched.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import EngineRequest, SamplingParams, Sequence, SequenceGroup
 from engine.worker.model_runner import ModelRunner
+from engine.worker.threads import ThreadGovernor
 from kernels.ops import KernelConfig, Ops
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class EngineStats:
     grammars_cached: int = 0                      # compiled grammars kept for reuse, and their bytes
     grammar_cache_bytes: int = 0
     kv_tier_stats: dict[str, KVStat] = field(default_factory=dict)   # the KV tier's figures ({}: no tier)
+    torch_threads: int = 0                        # the compute threads now, and how often the governor moved them
+    torch_thread_changes: int = 0
 
 
 @dataclass
@@ -90,6 +93,8 @@ class EngineCore:
         self.config = config
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)   # NOTE: process-wide; the engine owns the process's compute
+        self.threads = ThreadGovernor.make(config.torch_threads if config.adaptive_threads else None,
+                                           config.batch_invariant, torch.set_num_threads)
         # The op layer: which kernels run is decided here, once (and logged: KernelReport)
         self.ops = Ops(KernelConfig(config.device, config.cpu_kernels, config.batch_invariant,
                                     traced=config.compile_decode))
@@ -321,6 +326,8 @@ class EngineCore:
                 if self.tier.pending:
                     self.tier.wait(0.05)    # requests wait for blocks from the tier: nothing to compute till then
             return out
+        if self.threads is not None:
+            self.threads.tick()             # fewer threads while other processes want these cores
         for s in sched.scheduled:
             if s.seq.group is not None and s.seq.group.times.scheduled is None:
                 s.seq.group.times.scheduled = time.monotonic()
@@ -555,4 +562,5 @@ class EngineCore:
                            events.queue.dropped if events is not None else None,
                            len(grammars.cache) if grammars is not None else 0,
                            grammars.cache.num_bytes if grammars is not None else 0,
-                           self.tier.stats() if self.tier is not None else {})
+                           self.tier.stats() if self.tier is not None else {}, torch.get_num_threads(),
+                           self.threads.changes if self.threads is not None else 0)

@@ -29,6 +29,8 @@ concept, so an existing vLLM dashboard reads them. Every `vllm:` series has the 
 | prefixserve_prefix_tokens_saved_total{prefix}         | counter   | prompt tokens those hits saved         |
 | prefixserve_kv_events_{batches,dropped}_total         | counter   | KV events published / dropped (if on)  |
 | prefixserve_grammar_cache_{entries,bytes}             | gauge     | compiled grammars kept, their size     |
+| prefixserve_torch_threads                             | gauge     | compute threads now (fewer when busy)  |
+| prefixserve_torch_thread_changes_total                | counter   | times that count changed               |
 | prefixserve_<kv backend>_<name>                        | either    | the KV backend's own figures (*3)      |
 | prefixserve_kernels_info{op,implementation,cpu_variant,batch_invariant} | info | the kernels each op runs (1) |
 | prefixserve_kv_tier_<name>                             | either    | the KV tier's figures (*4)             |
@@ -157,6 +159,10 @@ class _StateCollector(Collector):
                                 "Gap between a request's decode steps (each request's mean gap)", model[0])
         for name, doc in _BLOCK_GAUGES.items():
             yield GaugeMetricFamily(f"prefixserve_{name}", doc, value=getattr(s, name))
+        yield GaugeMetricFamily("prefixserve_torch_threads", "Compute threads the engine runs now (fewer while other "
+                                "processes want the same cores: --adaptive-threads)", value=s.torch_threads)
+        yield CounterMetricFamily("prefixserve_torch_thread_changes", "Times the engine changed its compute threads",
+                                  value=s.torch_thread_changes)
         yield GaugeMetricFamily("prefixserve_grammar_cache_entries", "Compiled grammars kept for reuse",
                                 value=s.grammars_cached)
         yield GaugeMetricFamily("prefixserve_grammar_cache_bytes", "Bytes of the compiled grammars kept for reuse",
