@@ -2,8 +2,10 @@
 
 The four faces, from the inside out:
     core.py          EngineCore: tokens in, tokens out (schedule, run, sample, token-level stops)
+                     admission.py: the checks a request passes before it waits (fixed inputs, the cache)
     llm_engine.py    LLMEngine: the core + text (output processor) + pins, driven by one thread
     async_engine.py  AsyncEngine: the asyncio face the service uses (an engine thread, streams)
+                     request_stream.py: RequestStream, a caller's outputs merged while it lags
     llm.py           LLM: the offline, vLLM-shaped user API
 and config.py (EngineConfig: every knob), sequence.py (SamplingParams and its ranges, requests,
 sequences), outputs.py (what comes back), errors.py (the engine's refusals).

@@ -4,7 +4,8 @@ Owns the model runner, the KV cache, the block pool and manager, the scheduler, 
 forks. `step()` schedules one batch, runs the model, samples one token per sampling sequence and applies
 the token-level stop rules (stop token ids, EOS, max_tokens, max_model_len). Text (detokenization, stop
 strings, the choice of the n best) is the output processor's (output_processor.py); pins are the pin
-state machine's (pinning.py); both call back into `finish_seq` and `abort`.
+state machine's (pinning.py); both call back into `finish_seq` and `abort`. The checks a request passes
+before it waits (on fixed inputs, on the cache as it is) are the admission's (admission.py).
 
 NOTE: not thread-safe. One thread owns a core: the engine thread of AsyncEngine, or the caller of the
 offline API. The one exception is `make_request`, which reads only what never changes after
@@ -20,8 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.admission import Admission
 from engine.config import EngineConfig
-from engine.errors import CapacityExceeded, EngineError, InvalidRequest, KVRefused, QueueFull
+from engine.errors import CapacityExceeded, EngineError, InvalidRequest, KVRefused
 from engine.kv import backends as kv_backends
 from engine.kv.backends.base import CacheSpec, KVStat, KVStore, blocks_for_budget
 from engine.kv.block_manager import BlockManager
@@ -133,7 +135,9 @@ class EngineCore:
                      config.block_size, self.block_size)
         num_blocks = config.num_kv_blocks or blocks_for_budget(args, self.block_size, dtype,
                                                                config.kv_cache_memory_gb * 2**30)
-        self.num_blocks_total = num_blocks              # immutable: make_request may read it off-thread
+        # the admission checks; frozen, so make_request may run them off the engine thread
+        self.admission = Admission(config.max_num_seqs, config.max_num_waiting, self.vocab_size, self.max_model_len,
+                                   self.block_size, num_blocks)
         events = KVEventsConfig.from_json(config.kv_events_config) if config.kv_events_config else None
         sink = KVEventQueue(events.max_queue_size) if events is not None and events.enabled else None
         max_pinned = int(num_blocks * config.pinned_fraction)
@@ -191,44 +195,8 @@ class EngineCore:
     # -- requests -----------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      tenant: str = "") -> EngineRequest:
-        """Checks on fixed inputs only (prompt, vocabulary, context length): safe on any thread. `tenant`: whose
-        request it is, an opaque key the scheduler shares its turns between. Raises InvalidRequest."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequest("the prompt must contain at least one token", param="prompt")
-        if params.use_beam_search and params.stop:
-            raise InvalidRequest("stop strings are not supported with beam search", param="stop")
-        width = params.best_of or params.n
-        if width > self.config.max_num_seqs:
-            # Every sample (or beam) is a sequence of its own in the batch; a beam search steps only when all
-            # its beams have their logits, so more beams than batch seats could never step (item 18 of issue 24)
-            param = "best_of" if width > params.n else "n"
-            raise InvalidRequest(f"{param} ({width}) must be at most the batch's max_num_seqs "
-                                 f"({self.config.max_num_seqs}): each sample or beam runs as its own sequence",
-                                 param=param)
-        vocab = self.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        if n >= self.max_model_len and not (n == self.max_model_len and params.max_tokens == 0):
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n} "
-                "tokens, leaving no room to generate.", param="prompt")
-        max_tokens = self.max_model_len - n if params.max_tokens is None else params.max_tokens
-        if n + max_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion).", param="max_tokens")
-        need = self._blocks_needed(n, max_tokens, params)
-        if need > self.num_blocks_total:
-            raise InvalidRequest(f"the request needs {need} KV blocks but the cache has "
-                                 f"{self.num_blocks_total} in all", param="max_tokens")
-        return EngineRequest(request_id, list(prompt_token_ids), params, max_tokens, time.monotonic(), tenant=tenant)
-
-    def _blocks_needed(self, num_prompt: int, max_tokens: int, params: SamplingParams) -> int:
-        # prompt blocks are shared by every sample / beam; each has its own output blocks (+1 for CoW)
-        b = self.block_size
-        extra = (params.best_of or 1) - 1
-        return -(-(num_prompt + max_tokens) // b) + extra * (-(-max_tokens // b) + 1)
+        """Checks on fixed inputs only (engine/admission.py): safe on any thread. Raises InvalidRequest."""
+        return self.admission.make_request(request_id, prompt_token_ids, params, tenant)
 
     def add(self, request: EngineRequest) -> SequenceGroup:
         """Admits a checked request to the waiting queue. Cache-dependent checks happen here, on the
@@ -238,20 +206,8 @@ class EngineCore:
             raise InvalidRequest(f"request id {rid!r} is already in use", param="id")
         hashes = self.manager.block_hashes(prompt, salt=request.params.cache_salt) \
             if self.config.enable_prefix_caching else []
-        need = self._blocks_needed(len(prompt), request.max_tokens, request.params)
-        pinned_hits = 0                       # leading pinned blocks this prompt would reuse
-        if hashes:
-            for block in self.manager.cached_blocks(prompt, hashes[:(len(prompt) - 1) // self.block_size]):
-                if block is None or block.pin_count == 0:
-                    break
-                pinned_hits += 1
-        usable = self.pool.num_blocks_total - self.pool.num_pinned + pinned_hits
-        if need > usable:
-            raise InvalidRequest(
-                f"the request needs {need} KV blocks but the cache has {usable} for it "
-                f"({self.pool.num_pinned} of {self.pool.num_blocks_total} are pinned)", param="max_tokens")
-        if self.scheduler.waiting.count(request.tenant) >= self.config.max_num_waiting:   # per tenant: see config
-            raise QueueFull(f"the waiting queue is full ({self.config.max_num_waiting} requests); retry later")
+        self.admission.check_room(request, hashes, self.pool, self.manager,
+                                  self.scheduler.waiting.count(request.tenant))
         grammar = request.grammar
         if request.params.structured is not None and grammar is None:
             grammar = self.grammars.compile(request.params.structured)    # InvalidRequest if it does not compile

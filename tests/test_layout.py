@@ -55,10 +55,10 @@ def test_only_the_cli_imports_benchmarks() -> None:
 
 
 def test_the_service_uses_the_engine_through_its_public_faces() -> None:
-    """The service imports the engine's boundary (config, errors, sequence, outputs, the async engine) and
-    what requests are made of (structured specs), never its internals (core, scheduler, KV, worker)."""
+    """The service imports the engine's boundary (config, errors, sequence, outputs, the async engine and its
+    streams) and what requests are made of (structured specs), never its internals (core, scheduler, KV, worker)."""
     allowed = {"engine.config", "engine.errors", "engine.sequence", "engine.outputs", "engine.async_engine",
-               "engine.sample.structured"}
+               "engine.request_stream", "engine.sample.structured"}
     bad = [(str(f.relative_to(ROOT)), m) for f in files("service") for m in imports_of(f)
            if m.startswith("engine") and m not in allowed]
     assert not bad, bad

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.outputs import RequestOutput
+from engine.request_stream import RequestStream
 from engine.sequence import SamplingParams
 from service.middleware.metrics import Metrics
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine, RequestStream
+    from engine.async_engine import AsyncEngine
 
 
 @dataclass
