@@ -3,7 +3,7 @@
 Owns the model runner, the KV cache, the block pool and manager, the scheduler, the sampler and the
 forks. `step()` schedules one batch, runs the model, samples one token per sampling sequence and applies
 the token-level stop rules (stop token ids, EOS, max_tokens, max_model_len). Text (detokenization, stop
-strings, the choice of the n best) is the output processor's (output_processor.py); pins are the pin
+strings, the choice of the n best) is the output processor's (output/processor.py); pins are the pin
 state machine's (pinning.py); both call back into `finish_seq` and `abort`. The checks a request passes
 before it waits (on fixed inputs, on the cache as it is) are the admission's (admission.py).
 

@@ -1,7 +1,7 @@
 """LLMEngine: the synchronous engine, three parts behind one face.
 
     EngineCore       (core.py)             tokens: schedule, run the model, sample, token-level stops, forks
-    OutputProcessor  (output_processor.py) text: detokenize, stop strings, n best; RequestOutputs
+    OutputProcessor  (output/processor.py) text: detokenize, stop strings, n best; RequestOutputs
     PinStateMachine  (pinning.py)          prefixes: compute and pin, release, unpin
 
 `step()` runs one core step, settles the pins whose computation ended, and returns the outputs of every
@@ -19,7 +19,7 @@ from engine.kv.block_pool import CacheSalt
 from engine.models.loader import LoadedModel
 from engine.output.processor import OutputProcessor
 from engine.outputs import PinnedPrefix, RequestOutput
-from engine.sched.pinning import PinJob, PinStateMachine
+from engine.pinning import PinJob, PinStateMachine
 from engine.sequence import EngineRequest, SamplingParams, SequenceGroup
 
 

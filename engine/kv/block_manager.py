@@ -244,7 +244,7 @@ class BlockManager:
     def cached_blocks(self, token_ids: Seq[int], hashes: Seq[BlockHash] | None = None,
                       salt: CacheSalt = ()) -> list[Block | None]:
         """The cached block of each full block of `token_ids` (None where it is not cached);
-        `hashes`: their chained hashes (hashed with `salt`), if the caller has them. Pins (engine/sched/pinning.py)
+        `hashes`: their chained hashes (hashed with `salt`), if the caller has them. Pins (engine/pinning.py)
         and the admission check read the cache through this one method."""
         if hashes is None:
             hashes = self.block_hashes(token_ids, salt=salt)
