@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "cpu", "triton")
+# NOTE: the weight formats of engine/models/quant.py, declared here and not there: quant.py imports torch at
+# module level (its layers are nn.Modules), and this module must not (the CLI builds its flags from
+# EngineConfig without loading torch: tests/test_layout.py). The loader checks against it.
 QUANTIZATIONS = ("none", "int8", "int4")
 CPU_KERNELS = ("auto", "none", *(v.name for v in X86_VARIANTS))
 

@@ -90,6 +90,13 @@ def test_benchmarks_are_not_installed_nor_in_the_image() -> None:
     assert out.returncode != 0 and "No module named 'benchmarks'" in out.stderr
 
 
+def test_the_engine_config_imports_no_torch() -> None:
+    """The CLI builds its flags from EngineConfig (service/flags.py): `prefixserve --help` and a config error must
+    not wait for torch to load. Also why QUANTIZATIONS lives in engine/config.py, not beside the layers."""
+    code = "import sys, engine.config; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
 def test_every_package_says_what_its_modules_hold() -> None:
     for package in PACKAGES:
         for init in (ROOT / package).rglob("__init__.py"):

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from engine.config import QUANTIZATIONS
 from engine.models.gguf import checkpoint_dir, file_digest, is_gguf, native_quantization, q4_weights, stored_fingerprint
 from engine.models.llama import LlamaForCausalLM, ModelArgs, rope_inv_freq
-from engine.models.quant import QUANTIZATIONS, quantize_model
+from engine.models.quant import quantize_model
 from kernels.ops import Ops, default_ops
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

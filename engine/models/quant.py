@@ -46,7 +46,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.config import QUANTIZATIONS
 from kernels.ops import Ops, default_ops
 from kernels.quant_gemm import ACT, DENSE_FROM_ROWS, GROUP, int4_fits, pack_dense, pack_int4
 
@@ -192,5 +191,5 @@ def quantize_model(model: Any, mode: str, gguf_q4_weights: dict[str, tuple[torch
     model.lm_head = QuantLogits(model.lm_head.weight.detach(), mode, ops=ops)
 
 
-__all__ = ["DENSE_FROM_ROWS", "GROUP", "QUANTIZATIONS", "Int4Linear", "Int8Linear", "QuantLogits", "gguf_q4",
+__all__ = ["DENSE_FROM_ROWS", "GROUP", "Int4Linear", "Int8Linear", "QuantLogits", "gguf_q4",
            "quantize_model"]
