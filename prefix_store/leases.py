@@ -16,7 +16,8 @@ prefix sent again is the same lease (its end moved), another prefix another leas
 (the request's salt, only what its tenant may read) hold for them.
 
 NOTE: a friend of PrefixRegistry: it runs under the registry's lock and through its local view, shielded
-operations and caps, on the event loop like the registry.
+operations and caps, on the event loop like the registry. It sees the registry through `LeaseHost`, the
+narrow face it needs, so it does not import the registry (which imports it).
 """
 from __future__ import annotations
 
@@ -27,20 +28,36 @@ import hashlib
 import logging
 import time
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
-from prefix_store.base import PrefixRecord, Salt
+from prefix_store.base import PrefixRecord, PrefixStore, Salt
 from prefix_store.errors import StoreUnavailable
-from prefix_store.local import LocalPrefix, salt_of, tenant_of
-
-if TYPE_CHECKING:
-    from prefix_store.registry import PrefixRegistry
+from prefix_store.local import LocalPrefix, Pinner, salt_of, tenant_of
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class LeaseHost(Protocol):
+    """What leases need of the registry (PrefixRegistry is the one): its store and engine, its local view and
+    the lock that guards it, its shielded operations, its cap, and unpinning from its view."""
+
+    store: PrefixStore
+    engine: Pinner
+    fingerprint: str
+    replica_id: str
+    local: dict[str, LocalPrefix]
+    lock: asyncio.Lock
+
+    async def shielded(self, coro: Coroutine[Any, Any, T]) -> T: ...
+
+    def check_room(self, owner: str | None) -> None: ...
+
+    async def unpin_local(self, key: str, forget: bool = False) -> None: ...
 
 
 class Leases:
-    def __init__(self, registry: PrefixRegistry, sweep_interval: float = 1.0) -> None:
+    def __init__(self, registry: LeaseHost, sweep_interval: float = 1.0) -> None:
         self.registry = registry
         self.sweep_interval = sweep_interval
         self.spawned: set[asyncio.Task[Any]] = set()     # refreshes written in the background
