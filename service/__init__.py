@@ -7,6 +7,8 @@
     errors.py     the OpenAI error shape and the one mapping of domain errors to HTTP
     logs.py       text or JSON log lines
     tenants.py    Caller: a request's tenant, and the cache salts that keep tenants apart
+    usage.py      Usage: the tokens a request used (counted by a generation, summed by the access log)
+    token_text.py TokenText: a token id's string and bytes, for logprobs (one per loaded engine)
     middleware/   access log, metrics, cross-site, keys, security headers
     openai/       the generation API: the request pipeline, schema, chat and completions
     routes/       prefixes, WebSocket, tokenize, status, the router's worker API, OpenAPI

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from service.config import ServiceConfig
 from service.errors import ApiError
-from service.openai.logprobs import TokenText
+from service.token_text import TokenText
 from service.tokenizer_threads import TokenizerThreads
 
 if TYPE_CHECKING:

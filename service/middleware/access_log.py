@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from service.openai.generation import Usage
+from service.usage import Usage
 
 log = logging.getLogger("service.access")
 

@@ -14,12 +14,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sequence import SamplingParams
 from service.middleware.metrics import Metrics
+from service.usage import Usage
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -34,20 +35,6 @@ class ChoiceDelta:
     logprobs: list[dict[int, float] | None] | None = None   # per token of this delta, when asked for
                                                             # (None for an echoed prompt's first token)
     stop_reason: str | int | None = None    # with finish_reason "stop": the stop string or token id that matched
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    cache_write_tokens: int = 0     # prompt tokens this request wrote into the prefix cache (OpenAI's name)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens,
-                                          "cache_write_tokens": self.cache_write_tokens}}
 
 
 class Generation:

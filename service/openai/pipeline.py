@@ -56,11 +56,12 @@ from service.errors import ApiError, invalid
 from service.middleware.access_log import record_usage
 from service.middleware.metrics import METRICS, Metrics
 from service.openai import params, render, sse
-from service.openai.generation import ChoiceDelta, Generation, Usage
+from service.openai.generation import ChoiceDelta, Generation
 from service.openai.params import GenerationRequest, Parsed
 from service.openai.schema import CompletionRequest
 from service.state import STATE, Ready
 from service.tenants import Caller, cache_salt, caller_of
+from service.usage import Usage
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

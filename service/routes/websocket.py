@@ -49,10 +49,11 @@ from service.middleware.auth import WS_PROTOCOL, presented_key
 from service.middleware.metrics import METRICS
 from service.openai import pipeline
 from service.openai.generation import ChoiceDelta, Generation
-from service.openai.logprobs import TokenText, chat_logprobs
+from service.openai.logprobs import chat_logprobs
 from service.openai.sse import dumps, shaped
 from service.state import STATE
 from service.tenants import caller_of
+from service.token_text import TokenText
 
 
 @dataclass
