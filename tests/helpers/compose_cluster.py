@@ -83,7 +83,7 @@ class Cluster:
             for r in self.replicas:
                 r.start(wait_ready=False)
             for r in self.replicas:
-                r.wait_ready()
+                r.wait_ready(300.0)        # three replicas loading at once on a busy 2-core CI machine
         except BaseException:
             self.stop()
             raise
