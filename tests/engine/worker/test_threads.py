@@ -4,6 +4,7 @@ cores, one more when they leave. Its policy against a scripted machine, then the
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from pathlib import Path
 
@@ -12,21 +13,24 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.worker import threads as governor_mod
-from engine.worker.threads import ThreadGovernor, read_schedstat
+from engine.worker.threads import ThreadGovernor, read_idle, read_schedstat
 
 
 class Machine:
-    """A scripted CPU: each tick of `advance` the process runs `dt` seconds a thread and waits `wait(threads)`
-    times that."""
+    """A scripted 2-core CPU: each `advance` the process runs `dt` seconds a thread (waiting as measured beside a
+    spinner, or alone), and the cores neither it nor the neighbour use are idle."""
 
     def __init__(self) -> None:
         self.now = 0.0
         self.run = self.wait = 0
+        self.idle = 0.0
         self.threads = 2
         self.neighbour = False
 
     def advance(self, dt: float, busy: bool = True) -> None:
         self.now += dt
+        used = (self.threads if busy else 0) + self.neighbour
+        self.idle += dt * max(0, 2 - used)
         if busy:
             ran = dt * self.threads
             ratio = (1.5 if self.threads > 1 else 0.15) if self.neighbour else 0.02
@@ -46,9 +50,26 @@ def run_for(m: Machine, g: ThreadGovernor, seconds: float, busy: bool = True) ->
     return seen
 
 
-def test_a_neighbour_costs_a_window_and_probes_back_off() -> None:
+def governor(m: Machine, idle: bool = True) -> ThreadGovernor:
+    return ThreadGovernor(2, m.set, read=lambda: (m.run, m.wait), idle=(lambda: m.idle) if idle else None,
+                          clock=lambda: m.now)
+
+
+def test_a_neighbour_costs_a_window_coming_and_going() -> None:
     m = Machine()
-    g = ThreadGovernor(2, m.set, read=lambda: (m.run, m.wait), clock=lambda: m.now)
+    g = governor(m)
+    assert run_for(m, g, 10) == [2] * 100                      # alone: no reason to change
+    m.neighbour = True
+    seen = run_for(m, g, 60)
+    assert seen.index(1) <= 6 and seen[6:] == [1] * (len(seen) - 6)    # down within about a window, no probes:
+    m.neighbour = False                                                 # no core was free
+    seen = run_for(m, g, 10)
+    assert seen.index(2) <= 11 and seen[-1] == 2 and g.changes == 2     # a core free: back within about two
+
+
+def test_without_idle_times_probes_back_off() -> None:
+    m = Machine()
+    g = governor(m, idle=False)
     assert run_for(m, g, 10) == [2] * 100                      # alone: no reason to change
     m.neighbour = True
     seen = run_for(m, g, 1.0)
@@ -65,7 +86,7 @@ def test_a_neighbour_costs_a_window_and_probes_back_off() -> None:
 
 def test_idle_windows_are_not_judged() -> None:
     m = Machine()
-    g = ThreadGovernor(2, m.set, read=lambda: (m.run, m.wait), clock=lambda: m.now)
+    g = governor(m)
     m.neighbour = True
     assert run_for(m, g, 30, busy=False) == [2] * 300          # nothing ran: nothing to judge
     m.advance(0.04)
@@ -87,6 +108,14 @@ def test_schedstat_counts_this_process_running() -> None:
         pass
     run1, wait1 = read_schedstat()
     assert run1 - run0 >= 0.15e9 and wait1 >= wait0
+
+
+def test_idle_counts_only_our_cores() -> None:
+    idle0, t = read_idle(), time.monotonic()
+    time.sleep(0.3)
+    idle1, dt = read_idle(), time.monotonic() - t
+    assert 0 <= idle1 - idle0 <= dt * len(os.sched_getaffinity(0)) + 0.05
+    assert read_idle(frozenset()) == 0.0
 
 
 def spin(stop: object) -> None:
