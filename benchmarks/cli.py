@@ -3,7 +3,7 @@
     prefixserve bench memory --quick
     prefixserve bench prefix --quick --out /tmp/results
 
-Names: throughput, memory, prefix, sharing, structured, vattention, decode (benchmarks/offline/: the engine
+Names: throughput, memory, prefix, sharing, structured, vattention, decode, threads (benchmarks/offline/: the engine
 in this process), routing, peers, isolation, fairness, tier (benchmarks/served/: servers over HTTP); each
 <name>.md/.png/.json into --out and prints `RESULT {json}` last. Delegated, with options of their own: serving
 (benchmarks/served/serving.py) and kernels (benchmarks/offline/kernels.py: the Triton kernels on CUDA;
@@ -19,10 +19,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-OFFLINE = ("throughput", "memory", "prefix", "sharing", "structured", "vattention", "decode", "kernels")
+OFFLINE = ("throughput", "memory", "prefix", "sharing", "structured", "vattention", "decode", "threads", "kernels")
 SERVED = ("routing", "peers", "serving", "isolation", "fairness", "tier")
-OURS = ("throughput", "memory", "prefix", "sharing", "structured", "routing", "vattention", "decode", "peers",
-        "isolation", "fairness", "tier")
+OURS = ("throughput", "memory", "prefix", "sharing", "structured", "routing", "vattention", "decode", "threads",
+        "peers", "isolation", "fairness", "tier")
 DELEGATED = ("serving", "kernels")
 
 

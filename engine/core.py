@@ -159,6 +159,10 @@ class EngineCore:
             took = self.runner.compile_decode(config.max_num_seqs)
             if self.runner.compiled is not None and self.runner.compiled.failed is None:
                 log.info("decode step compiled for batch buckets %s in %.1f s", self.runner.compiled.buckets, took)
+        if self.threads is not None:
+            # between layers too: a prefill step beside a new neighbour may last seconds (the compiled decode
+            # graph does not call it: there the step's start decides)
+            self.ops.between_layers = self.threads.tick
         self.sampler = Sampler(self.ops)
         self.forks = Forks(self.manager, self.scheduler, self.new_seq, self.finish_seq)
         self.requests: dict[str, SequenceGroup] = {}

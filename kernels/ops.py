@@ -27,6 +27,7 @@ number of blocks and never cascades. What holds then, and what does not by defau
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,9 @@ class Ops:
 
     def __init__(self, config: KernelConfig) -> None:
         self.config = config
+        # called by the model after each layer of an eager forward (the engine's thread governor: a long step
+        # may change its thread count between layers); None: nothing
+        self.between_layers: Callable[[], None] | None = None
         self.device = torch.device(config.device)
         self.cpu: CpuKernels | None = None
         on_cpu = self.device.type == "cpu"

@@ -256,9 +256,12 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         step = self.step(md)
         r: torch.Tensor | None = None
+        between = self.ops.between_layers
         for i, layer in enumerate(self.layers):
             r, x = layer(x, r, cos, sin, partial(backend_attend, backend, md, key_caches[i], value_caches[i],
                                                  self.scale), step)
+            if between is not None:
+                between()
         return self.ops.final_norm(x, r, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ it: a 1,024-token prefill took 5.8-6.1 s on 2 threads and 4.05 s on 1 (1.9 s on 
 tokens 11.8-13.4 s against 6.7-7.4 s (3.6 s alone). vLLM's CPU backend suffers the same (its OpenMP threads
 are bound to cores).
 
-Two signals from the kernel, read every WINDOW_S of compute:
+Two signals from the kernel, read every WINDOW_S of compute (checked at each step's start and between the
+model's layers, so a prefill step of seconds is not run to its end on the wrong count):
 - waiting: /proc/self/task/*/schedstat gives each thread's time on a CPU and its time runnable but waiting for
   one; waiting / running over the process was 0.13 with 1 thread beside the spinner, 0.85-2.7 with 2, under
   0.01 alone with 2;

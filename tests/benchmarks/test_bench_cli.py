@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,24 @@ def test_decode_bench_on_a_tiny_checkpoint(tiny_llama_dir: Path, tmp_path: Path,
     assert [r["name"] for r in rows] == ["prefixserve, none", "prefixserve, none, compiled"]
     assert all(r["batch1_tok_s"] > 0 and r["streams16_tok_s"] > 0 and r["start_s"] > 0 for r in rows)
     assert "| prefixserve, none, compiled |" in (tmp_path / "decode.md").read_text()
+
+
+def test_threads_bench_on_a_tiny_checkpoint(tiny_llama_dir: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["threads", "--model", str(tiny_llama_dir), "--rounds", "1", "--prefill-len", "200",
+                   "--out", str(tmp_path)])
+    if len(os.sched_getaffinity(0)) < 2:
+        assert rc == 1
+        return
+    assert rc == 0
+    res = result_line(capsys.readouterr().out)
+    assert set(res) == {f"slowdown_{m}_{i}" for m in ("fixed", "adaptive") for i in (0, 1)}
+    assert all(v > 0 for v in res.values())
+    runs = json.loads((tmp_path / "threads.json").read_text())["runs"]
+    assert runs["fixed"][0]["changes"]["count"] == 0               # no governor, no changes
+    assert all(runs[m][0][p]["8 x 128 in / 32 out"] > 0 for m in ("fixed", "adaptive")
+               for p in ("alone", "busy", "alone again"))
+    assert "| 8 x 128 in / 32 out, busy |" in (tmp_path / "threads.md").read_text()
 
 
 # -- isolation ------------------------------------------------------------------------------------

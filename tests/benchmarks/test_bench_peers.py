@@ -250,12 +250,13 @@ def read_or_empty(path: Path) -> bytes:
 def test_every_server_gets_the_model_and_its_whole_context(tmp_path: Path) -> None:
     gguf = str(tmp_path / "m.gguf")
     args = Namespace(systems=["prefixserve", "vllm", "llama.cpp"], prefixserve_args=["--threads", "2"],
-                     vllm_python=sys.executable, llama_cpp_python=sys.executable, model=gguf)
+                     vllm_python=sys.executable, llama_cpp_python=sys.executable, model=gguf, vllm_dtype="float32")
     servers, absent = make_servers(args, "/ckpt", gguf, 8192)
     assert absent == {}
     ours, vllm, llama = servers["prefixserve"].argv, servers["vllm"].argv, servers["llama.cpp"].argv
     assert ours[ours.index("--model") + 1] == gguf and ours[-2:] == ["--threads", "2"]
     assert vllm[vllm.index("--max-model-len") + 1] == "8192" and vllm[vllm.index("--model") + 1] == "/ckpt"
+    assert vllm[vllm.index("--dtype") + 1] == "float32"                 # --vllm-dtype
     assert llama[llama.index("--n_ctx") + 1] == "8192" and llama[llama.index("--model") + 1] == gguf
     args.model = None                                   # the built-in model: prefixserve's own default
     servers, _ = make_servers(args, "/ckpt", gguf, 8192)

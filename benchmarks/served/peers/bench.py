@@ -108,9 +108,9 @@ def run_system(server: Server, w: Workload, args: argparse.Namespace, vllm_pytho
     return figures
 
 
-def served_model(system: str, gguf: str, checkpoint: str) -> str:
-    """What each system loads: vLLM the float32 checkpoint our loader made (in bfloat16), the others the GGUF."""
-    return f"{Path(checkpoint).name} in bfloat16" if system == "vllm" else Path(gguf).name
+def served_model(system: str, gguf: str, checkpoint: str, vllm_dtype: str = "bfloat16") -> str:
+    """What each system loads: vLLM the float32 checkpoint our loader made (in --vllm-dtype), the others the GGUF."""
+    return f"{Path(checkpoint).name} in {vllm_dtype}" if system == "vllm" else Path(gguf).name
 
 
 def model_context(checkpoint: str) -> int:
@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench peers") -
                     help="guidellm's executable, in its own venv (or PREFIXSERVE_GUIDELLM); no guidellm figures "
                          "without it")
     ap.add_argument("--vllm-python", default=None, help="the vLLM venv's python (or PREFIXSERVE_PEER_VLLM)")
+    ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="vLLM's --dtype (bfloat16, as vLLM's CPU docs advise; float32 is faster where oneDNN "
+                         "has no bfloat16 GEMM, e.g. AVX2 CPUs)")
     ap.add_argument("--llama-cpp-python", default=None, help="llama-cpp-python's venv python "
                                                              "(or PREFIXSERVE_PEER_LLAMA_CPP)")
     ap.add_argument("--prefixserve-args", nargs=argparse.REMAINDER, default=[],
@@ -220,7 +223,7 @@ def run(args: argparse.Namespace, argv: list[str], prog: str) -> int:
     notes = (f"\n\nMedians over {args.rounds if timed else 0} round(s), systems alternating; 1-minute load average "
              f"before each workload: " + "; ".join(f"{s} {json.dumps(v)}" for s, v in loads.items()) +
              "\n\nVersions: " + ", ".join(f"{s} {servers[s].version}" for s in servers) +
-             ". Model: " + "; ".join(f"{s} {served_model(s, gguf, checkpoint)}" for s in servers) +
+             ". Model: " + "; ".join(f"{s} {served_model(s, gguf, checkpoint, args.vllm_dtype)}" for s in servers) +
              f"; every server given the model's {context:,} positions.")
     longs = {k: v for k, v in (first.system_tokens if first else {}).items() if k in timed}
     if longs:

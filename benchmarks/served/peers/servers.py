@@ -2,7 +2,7 @@
 
     prefixserve   `python -m service serve` (this checkout), the built-in model as it serves by default
     vLLM CPU      `<vllm venv>/bin/python -m vllm.entrypoints.openai.api_server` on the float32 checkpoint
-                  our GGUF loader caches, --dtype bfloat16, --enable-prefix-caching, its OpenMP threads
+                  our GGUF loader caches, --dtype bfloat16 (--vllm-dtype), --enable-prefix-caching, its OpenMP threads
                   bound to the cores this process may use (VLLM_CPU_OMP_THREADS_BIND), 4 GiB of KV cache
     llama.cpp     `<llama venv>/bin/python -m llama_cpp.server` on the GGUF itself (its own 4-bit kernels);
                   one request at a time (its server queues them: --interrupt_requests False)
@@ -125,7 +125,7 @@ def make_servers(args: argparse.Namespace, checkpoint: str, gguf: str,
             bind = f"{min(cores())}-{max(cores())}"
             servers["vllm"] = Server(
                 "vllm", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint,
-                         "--served-model-name", MODEL, "--dtype", "bfloat16", "--enable-prefix-caching",
+                         "--served-model-name", MODEL, "--dtype", args.vllm_dtype, "--enable-prefix-caching",
                          "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", str(context),
                          "--disable-log-stats"],
                 {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": str(n),
