@@ -3,9 +3,9 @@
 The forward pass runs as hundreds of OpenMP regions a step, each ending at a barrier: with N threads on N
 cores and a busy neighbour on one of them, every region waits for the thread the kernel descheduled, a
 scheduler time slice at a time. Measured on a 2-core Zen 3 with one spinning process pinned to a core beside
-it: a 1,024-token prefill took 5.8-6.1 s on 2 threads and 4.05 s on 1 (1.9 s on 2 threads alone); 8 x 128/32
-tokens 11.8-13.4 s against 6.7-7.4 s (3.6 s alone). vLLM's CPU backend suffers the same (its OpenMP threads
-are bound to cores).
+it (`prefixserve bench threads`, README "Quantized weights and threads"): on a fixed 2 threads a 1,024-token
+prefill took 8.4 s (2.1 s alone) and 8 x 128/32 tokens 61 s (3.9 s alone); with this governor 3.9 s and 6.6 s.
+vLLM's CPU backend suffers the same (its OpenMP threads are bound to cores).
 
 Two signals from the kernel, read every WINDOW_S of compute (checked at each step's start and between the
 model's layers, so a prefill step of seconds is not run to its end on the wrong count):
