@@ -154,10 +154,10 @@ class MessageShaper:
     # -- content ---------------------------------------------------------------------------------------------
     def stop(self, c: ChoiceDelta, calls: bool) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence)."""
+        if c.finish_reason == "length":        # a call cut by max_tokens is no call to run (Anthropic's order)
+            return "max_tokens", None
         if calls:
             return "tool_use", None
-        if c.finish_reason == "length":
-            return "max_tokens", None
         if isinstance(c.stop_reason, str) and c.stop_reason in self.stops:
             return "stop_sequence", c.stop_reason
         return "end_turn", None

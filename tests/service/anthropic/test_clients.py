@@ -46,11 +46,20 @@ def test_anthropic_sdk_tool_round_trip_and_stream(real_server: ServerThread) -> 
     # a forced call streams its input as input_json_delta events
     with c.messages.stream(model=model, max_tokens=24, tools=[WEATHER],                     # type: ignore[list-item]
                            tool_choice={"type": "tool", "name": "get_weather"},
-                           messages=[{"role": "user", "content": "Weather in Rome?"}]) as s:
+                           messages=[{"role": "user", "content": "Weather in Rome?"}],
+                           extra_body={"temperature": 0.0}) as s:
         kinds = [e.type for e in s]
         msg = s.get_final_message()
     assert "input_json" in kinds and msg.stop_reason == "tool_use"
     assert msg.content[0].type == "tool_use" and "city" in msg.content[0].input           # type: ignore[union-attr]
+    # a call cut by max_tokens is reported as such, not as a tool_use to run (at temperature 1 the call above once
+    # ran past its 24 tokens and came back as tool_use with input {})
+    with c.messages.stream(model=model, max_tokens=5, tools=[WEATHER],                     # type: ignore[list-item]
+                           tool_choice={"type": "tool", "name": "get_weather"},
+                           messages=[{"role": "user", "content": "Weather in Rome?"}],
+                           extra_body={"temperature": 0.0}) as s:
+        cut = s.get_final_message()
+    assert cut.stop_reason == "max_tokens", cut                  # was tool_use, with input {}
     c.close()
 
 
