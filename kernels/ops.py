@@ -9,7 +9,8 @@ never asks which device it is on or whether a kernel is available.
                             step's shape; plain weights: torch's linear
     logits                  a quantized head: coarse logits, then the top ones exact (C++ top-k and refine, or
                             torch); a plain head: torch's linear
-    row_stats, topk         C++ (kernels/cpu/logits.cpp); torch
+    row_stats, topk,        C++ (kernels/cpu/logits.cpp); torch (sample_softmax: None, the sampler's torch path)
+    sample_softmax
     attention               the KV backend's kernels, by family: "cpu" (C++ paged decode and paged prefill, torch's
                             flash attention without the C++ kernels), "torch", "triton" (kernels/cpu_backend.py,
                             torch_backend.py, triton_backend.py); `attention_family` picks the default
@@ -251,6 +252,16 @@ class Ops:
                 logits.device.type == "cpu" and logits.dtype == torch.float32:
             return self._logits.row_stats(logits)
         return torch.logsumexp(logits, dim=-1), None
+
+    def sample_softmax(self, logits: torch.Tensor, temperature: torch.Tensor,
+                       u: torch.Tensor) -> torch.Tensor | None:
+        """[N] tokens, one draw per row from softmax(logits / temperature) by inverse CDF with u [N] float64
+        (kernels/cpu/logits.py row_sample, its agreement criterion there); None where the C++ kernel is not
+        here (the sampler's torch path serves)."""
+        if self._logits is not None and logits.dim() == 2 and logits.stride(1) == 1 and \
+                logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[1] < 2**31:
+            return self._logits.row_sample(logits, temperature.contiguous(), u.contiguous())
+        return None
 
     def topk(self, logits: torch.Tensor, k: int) -> torch.Tensor:
         """The indices of each row's k largest logits, in no particular order (which of equal values: either)."""

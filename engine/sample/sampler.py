@@ -8,7 +8,9 @@ NOTE: each random row consumes exactly one float64 uniform from its generator pe
 consume none. A request's token stream is therefore a function of (seed, logits it sees) only.
 Why inverse-CDF rather than the exponential race (argmax p / q, q ~ Exp(1)^V): the race needs V draws
 per row, ~100 ns each on a CPU (200 ms a step for 64 rows of a 32k vocabulary); one uniform and a
-cumulative sum cost a few milliseconds and are just as batch-invariant.
+cumulative sum cost a few milliseconds and are just as batch-invariant. Rows that ask for no filter (no
+min-p, top-k, top-p) draw through the op layer's fused kernel where there is one (kernels/cpu/logits.cpp
+row_sample: the same inverse CDF in one pass over the row; its agreement criterion in kernels/cpu/logits.py).
 """
 from __future__ import annotations
 
@@ -85,18 +87,14 @@ class Sampler:
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            index = torch.tensor(random_rows, device=logits.device)
-            probs = self._filtered_probs(logits[index], [params[i] for i in random_rows])  # [M, V]
-            uniform = torch.empty(len(random_rows), 1, dtype=torch.float64, device=logits.device)
+            uniform = torch.empty(len(random_rows), dtype=torch.float64, device=logits.device)
             for j, i in enumerate(random_rows):
                 uniform[j].uniform_(generator=generators[i])
-            cdf = probs.double().cumsum(dim=-1)                          # [M, V]
-            total = cdf[:, -1:].contiguous()                             # [M, 1], 1 up to rounding
-            # right=True: a zero-probability token never exceeds its predecessor's cdf, so it is never
-            # chosen. u * total < total, except by rounding; the minimum keeps that case in the support.
-            choice = torch.searchsorted(cdf, uniform * total, right=True)
-            choice = torch.minimum(choice, torch.searchsorted(cdf, total))  # last token with p > 0
-            token_ids[index] = choice.squeeze(1)
+            if len(random_rows) == num_rows:                             # no copy of the rows
+                token_ids = self._draw(logits, params, uniform)
+            else:
+                index = torch.tensor(random_rows, device=logits.device)
+                token_ids[index] = self._draw(logits[index], [params[i] for i in random_rows], uniform)
 
         token_ids = token_ids.clamp_(0, logits.shape[-1] - 1)
         if failed:
@@ -119,6 +117,27 @@ class Sampler:
             index = torch.tensor(random_rows, device=logits.device)
             out[index] = self._filtered_probs(logits[index], [params[i] for i in random_rows])
         return out
+
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
+        """[M, V] random rows, u [M] float64 -> [M] tokens by inverse CDF. Rows that ask for no filter take the
+        op layer's fused draw where it has one (one pass, no [M, V] temporaries)."""
+        if not any(self._filters(p, logits.shape[-1]) for p in params):
+            temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+            chosen = self.ops.sample_softmax(logits, temperature, uniform)
+            if chosen is not None:
+                return chosen
+        probs = self._filtered_probs(logits, params)                     # [M, V]
+        cdf = probs.double().cumsum(dim=-1)                              # [M, V]
+        total = cdf[:, -1:].contiguous()                                 # [M, 1], 1 up to rounding
+        # right=True: a zero-probability token never exceeds its predecessor's cdf, so it is never
+        # chosen. u * total < total, except by rounding; the minimum keeps that case in the support.
+        choice = torch.searchsorted(cdf, uniform[:, None] * total, right=True)
+        return torch.minimum(choice, torch.searchsorted(cdf, total)).squeeze(1)  # last token with p > 0
+
+    @staticmethod
+    def _filters(p: SamplingParams, vocab: int) -> bool:
+        """Whether a random row asks for more than softmax(logits / temperature): min-p, top-k or top-p."""
+        return bool(p.min_p) or 0 < p.top_k < vocab or p.top_p < 1.0
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

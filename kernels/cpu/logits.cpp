@@ -10,9 +10,13 @@
 //                 equal values at the boundary, the first in the row
 //     refine      logits[t, top[t, j]] = w[top[t, j]] . x[t] in float32: a quantized head's chosen logits
 //                 recomputed from the float weight, its rows read in place (torch would gather them first)
+//     row_sample  one draw per row from softmax(x[t] / temperature[t]) by inverse CDF with the row's uniform
+//                 u[t]: what the sampler's torch path does (softmax, a float64 cumsum, two searchsorted) in
+//                 three passes over the row, no [T, V] temporaries (3 against 15-30 ms at 64 rows here)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <omp.h>
@@ -199,6 +203,48 @@ float row_dot(const W* w, const float* x, int H) {
     return total;
 }
 
+// One draw from softmax(x / temperature) by inverse CDF: e_v = exp(x_v / temperature - shift) in float32
+// (shift: the row's largest scaled logit), summed in double in vocabulary order; the token is the first v
+// with e_v > 0 whose running sum exceeds u * total, else (rounding) the last v with e_v > 0. A row without a
+// finite maximum (NaN, +inf, every logit -inf) gives its argmax: the sampler reports or masks those rows.
+// e: V floats of scratch.
+int64_t row_sample(const float* x, int V, float temperature, double u, float* e) {
+    float mx;
+    int64_t arg;
+    bool nan;
+    row_max(x, V, &mx, &arg, &nan);
+    if (nan || !std::isfinite(mx)) return arg;
+    const float shift = mx / temperature;                 // = max_v (x_v / temperature): division is monotonic
+    int v = 0;
+#if defined(__AVX512F__)
+    {
+        const __m512 t = _mm512_set1_ps(temperature), s = _mm512_set1_ps(shift);
+        for (; v + 16 <= V; v += 16)
+            _mm512_storeu_ps(e + v, prefixserve_simd::exp512(_mm512_sub_ps(_mm512_div_ps(_mm512_loadu_ps(x + v), t), s)));
+    }
+#elif defined(PREFIXSERVE_AVX2)
+    {
+        const __m256 t = _mm256_set1_ps(temperature), s = _mm256_set1_ps(shift);
+        for (; v + 8 <= V; v += 8)
+            _mm256_storeu_ps(e + v, prefixserve_simd::exp256(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(x + v), t), s)));
+    }
+#endif
+    for (; v < V; ++v) e[v] = std::exp(x[v] / temperature - shift);
+    double total = 0.0;
+    for (v = 0; v < V; ++v) total += e[v];
+    const double target = u * total;
+    double cum = 0.0;
+    int64_t last = arg;
+    for (v = 0; v < V; ++v) {
+        if (e[v] > 0.f) {
+            cum += e[v];
+            last = v;
+            if (cum > target) return v;
+        }
+    }
+    return last;
+}
+
 }  // namespace
 
 extern "C" {
@@ -243,6 +289,22 @@ void prefixserve_refine(const float* x, int64_t x_stride, const void* w, int dty
                 : row_dot(static_cast<const float*>(w) + v * w_stride, xr, H);
         }
     }
+}
+
+// x: [T, V] float32 (row stride x_stride); temperature: [T] float32 > 0; u: [T] float64 in [0, 1);
+// out: [T] int64. Returns 0, or -1 when the scratch cannot be allocated.
+int prefixserve_row_sample(const float* x, int64_t x_stride, int T, int V, const float* temperature,
+                           const double* u, int64_t* out) {
+    const bool parallel = static_cast<int64_t>(T) * V >= 65536;
+    const int threads = parallel ? omp_get_max_threads() : 1;
+    float* scratch = static_cast<float*>(std::malloc(sizeof(float) * static_cast<size_t>(V) * threads));
+    if (scratch == nullptr) return -1;
+    #pragma omp parallel for schedule(static) if (parallel) num_threads(threads)
+    for (int t = 0; t < T; ++t)
+        out[t] = row_sample(x + t * x_stride, V, temperature[t], u[t],
+                            scratch + static_cast<size_t>(V) * omp_get_thread_num());
+    std::free(scratch);
+    return 0;
 }
 
 // The loops this build runs: "avx512", "avx2" or "generic".

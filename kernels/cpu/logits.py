@@ -12,6 +12,13 @@ from cache) where torch runs logsumexp, argmax and topk as separate passes over 
                       logits [T, V] float32, top [T, k] int64, x [T, H] float32, w [V, H] float32 or bfloat16:
                       logits[t, top[t, j]] = w[top[t, j]] . x[t] in float32 (vector lanes, then their sum:
                       torch's einsum within float32 rounding), in place; w's rows are read where they lie
+    row_sample(x, temperature, u)
+                      x [T, V] float32, temperature [T] float32 > 0, u [T] float64 in [0, 1) -> [T] int64: one
+                      draw per row from softmax(x / temperature) by inverse CDF, as the sampler's torch path
+                      (engine/sample/sampler.py): the first token with nonzero probability whose running
+                      sum (float64, vocabulary order) exceeds u x the total; e^x in float32 (the kernels'
+                      exp, ~1 ulp, where torch's softmax has its own), so a u within rounding of a boundary
+                      may pick the neighbour; a row without a finite maximum gives its argmax
 
 Each row's result depends on that row only (the batch-invariant mode relies on it).
 """
@@ -41,6 +48,8 @@ class Logits:
         lib.prefixserve_row_topk.restype = ctypes.c_int
         lib.prefixserve_refine.argtypes = [p, i64, p, i, i64, p, i, i, i, p, i64]
         lib.prefixserve_refine.restype = None
+        lib.prefixserve_row_sample.argtypes = [p, i64, i, i, p, p, p]
+        lib.prefixserve_row_sample.restype = ctypes.c_int
         lib.prefixserve_logits_path.restype = ctypes.c_char_p
         self._lib = lib
         self.path: str = lib.prefixserve_logits_path().decode()     # the loops it runs: avx512, avx2, generic
@@ -75,6 +84,20 @@ class Logits:
             self._lib.prefixserve_refine(x.data_ptr(), x.stride(0), w.data_ptr(), _DTYPES[w.dtype], w.stride(0),
                                          top.data_ptr(), T, k, x.shape[1], logits.data_ptr(), logits.stride(0))
         return logits
+
+    def row_sample(self, x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        _check(x, (torch.float32,))
+        T = x.shape[0]
+        assert temperature.dtype == torch.float32 and temperature.is_contiguous() and temperature.shape == (T,)
+        assert u.dtype == torch.float64 and u.is_contiguous() and u.shape == (T,)
+        assert x.shape[1] > 0
+        out = torch.empty(T, dtype=torch.int64)
+        if T:
+            rc = self._lib.prefixserve_row_sample(x.data_ptr(), x.stride(0), T, x.shape[1], temperature.data_ptr(),
+                                                  u.data_ptr(), out.data_ptr())
+            if rc != 0:
+                raise MemoryError("row_sample: no scratch for the vocabulary")
+        return out
 
 
 __all__ = ["MAX_K", "Logits"]

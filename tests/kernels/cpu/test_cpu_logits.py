@@ -5,7 +5,9 @@ them on the CPU, against torch's operators.
 Agreement criterion (kernels/cpu/logits.py): argmax equal to torch.argmax's index exactly, the first of equal
 maxima included; logsumexp within float32 rounding, with torch's special values for NaN / +inf / all -inf
 rows; topk the same set of indices as torch.topk where the k-th and (k+1)-th values differ, the earlier
-index where they tie, never a NaN.
+index where they tie, never a NaN; row_sample the token whose float64 CDF interval of softmax(x / temperature)
+holds u (within 1e-6 of a boundary either neighbour), never a token of zero probability, and torch's path's
+token on all but a rounding few of the draws.
 """
 from __future__ import annotations
 
@@ -102,3 +104,62 @@ def test_sampler_on_the_kernel_equals_torch(cpu: CpuKernels) -> None:
     torch.testing.assert_close(torch.tensor(logprobs)[good], torch.tensor(want_logprobs)[good], rtol=0, atol=1e-5)
     for a, b in zip(tops, want_tops):
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+
+
+def _reference_draw(x: torch.Tensor, temperature: float, u: float) -> tuple[int, torch.Tensor]:
+    """The sampler's torch path for one row (softmax, float64 cumsum, searchsorted) and the float64 CDF."""
+    probs = torch.softmax(x / temperature, dim=-1)
+    cdf = probs.double().cumsum(-1)
+    total = cdf[-1:]
+    choice = torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64) * total, right=True)
+    choice = torch.minimum(choice, torch.searchsorted(cdf, total))
+    exact = torch.softmax(x.double() / temperature, dim=-1).cumsum(-1)
+    return int(choice), exact
+
+
+@pytest.mark.parametrize("width", [7, 49152, 1001])
+def test_row_sample_draws_by_the_cdf(variant: CpuKernels, width: int) -> None:
+    x = strided(24, width, seed=width)
+    x[3, : width // 2] = float("-inf")                      # masked tokens (a logit bias, a grammar): never drawn
+    g = torch.Generator().manual_seed(width)
+    u = torch.rand(24, generator=g, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1.0 - 2**-53                          # both ends of [0, 1)
+    temperature = torch.linspace(0.3, 1.7, 24)
+    got = variant.logits.row_sample(x, temperature, u)
+    same = 0
+    for t in range(24):
+        want, cdf = _reference_draw(x[t], float(temperature[t]), float(u[t]))
+        c = int(got[t])
+        assert 0 <= c < width and torch.isfinite(x[t, c])
+        lo = float(cdf[c - 1]) if c else 0.0
+        assert lo - 1e-6 <= float(u[t]) <= float(cdf[c]) + 1e-6, (t, c, lo, float(u[t]), float(cdf[c]))
+        same += c == want
+    assert same >= 23                                       # torch's token but for a rounding case at most
+    assert int(got[3]) >= width // 2
+
+
+def test_row_sample_draws_follow_the_distribution(variant: CpuKernels) -> None:
+    """4,000 draws from one row of 6 tokens: each token's share within 4 sigma of its probability."""
+    x = torch.tensor([[0.0, 1.0, 2.0, -1.0, float("-inf"), 0.5]]).expand(4000, 6).contiguous()
+    u = torch.rand(4000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = variant.logits.row_sample(x, torch.full((4000,), 0.8), u)
+    p = torch.softmax(x[0] / 0.8, dim=-1)
+    counts = torch.bincount(got, minlength=6).double() / 4000
+    assert counts[4] == 0
+    assert ((counts - p.double()).abs() <= 4 * (p.double() * (1 - p.double()) / 4000).sqrt() + 1e-9).all()
+
+
+def test_sampler_fused_draw_equals_torch_path(cpu: CpuKernels) -> None:
+    """Temperature rows with no filter draw through the kernel; their tokens equal torch's path (but for a
+    rounding case), filtered rows keep torch's path, and a request's stream does not depend on its batch."""
+    logits = strided(48, 4096, seed=5)
+    params = [SamplingParams(temperature=0.7 + i / 100, seed=i) if i % 3 else
+              SamplingParams(temperature=0.9, top_p=0.8, seed=i) for i in range(48)]
+    gens = [torch.Generator().manual_seed(i) for i in range(48)]
+    fused = Sampler(Ops(KernelConfig(cpu_kernels=cpu.variant)))(logits.clone(), params, gens).token_ids
+    gens = [torch.Generator().manual_seed(i) for i in range(48)]
+    plain = Sampler(Ops(KernelConfig(cpu_kernels="none")))(logits.clone(), params, gens).token_ids
+    assert sum(a == b for a, b in zip(fused, plain)) >= 47
+    alone = Sampler(Ops(KernelConfig(cpu_kernels=cpu.variant)))(
+        logits[5:6].clone(), params[5:6], [torch.Generator().manual_seed(5)]).token_ids
+    assert alone == [fused[5]]
