@@ -45,6 +45,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.served.deployment import ROOT, free_port, metric, post, wait_ready
+from benchmarks.served.peers.client import pct
 from benchmarks.served.peers.servers import peer_python, vllm_server
 
 WORDS = ("cache block token prefix restart disk replica tenant kernel attention query value batch page hash "
@@ -156,8 +157,8 @@ async def converse(url: str, words: list[int], args: argparse.Namespace) -> list
 
 def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     later = [r for r in rows if r["turn"] > 0]
-    ttfts = sorted(r["ttft"] for r in later)
-    return {"rows": rows, "ttft_p50": statistics.median(ttfts), "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
+    ttfts = [r["ttft"] for r in later]          # percentiles interpolated, as bench peers reports them
+    return {"rows": rows, "ttft_p50": pct(ttfts, 50), "ttft_p90": pct(ttfts, 90),
             "cached_share": sum(r["cached"] for r in later) / sum(r["prompt"] for r in later),
             "final_history_tokens": sum(r["prompt"] for r in rows if r["turn"] == args.turns - 1)}
 

@@ -66,12 +66,13 @@ def test_report_with_a_vllm_row_and_the_ratios() -> None:
          "vllm": fake([0.9, 1.0, 1.1, 1.6], 64, 352, start_s=120.0, version="0.32.0",
                       model="ckpt in float32", ours_model="m.gguf")}
     table, result = tier.report(ARGS, {"sessions": s})
-    assert s["tier"]["ttft_p50"] == pytest.approx(0.35) and s["tier"]["ttft_p90"] == 0.4     # int(0.9 * 3) = 2
-    assert "| ours, with the tier | 350 ms | 400 ms | 85.2% | 40 | 5 |" in table
-    assert "| vLLM CPU (recomputes) | 1050 ms | 1100 ms | 18.2% | - | - |" in table
-    assert "**3.00x**" in table and "**2.75x**" in table                                    # 1.05 / 0.35, 1.1 / 0.4
+    # p90 interpolated between the 3rd and 4th of 4: 0.4 + 0.7 x 0.1 = 0.47, and 1.1 + 0.7 x 0.5 = 1.45
+    assert s["tier"]["ttft_p50"] == pytest.approx(0.35) and s["tier"]["ttft_p90"] == pytest.approx(0.47)
+    assert "| ours, with the tier | 350 ms | 470 ms | 85.2% | 40 | 5 |" in table
+    assert "| vLLM CPU (recomputes) | 1050 ms | 1450 ms | 18.2% | - | - |" in table
+    assert "**3.00x**" in table and "**3.09x**" in table                                    # 1.05 / 0.35, 1.45 / 0.47
     assert "**3.0x** the KV cache of 512 tokens" in table and "vLLM: 17 blocks of 32" in table
-    assert result["sessions_vllm_over_tier_ttft_p50"] == 3.0 and result["sessions_vllm_over_tier_ttft_p90"] == 2.75
+    assert result["sessions_vllm_over_tier_ttft_p50"] == 3.0 and result["sessions_vllm_over_tier_ttft_p90"] == 3.09
     assert result["sessions_vllm_ttft_p50_ms"] == 1050.0 and "sessions_vllm_absent" not in result
     assert len(tier.figure(ARGS, {"sessions": s}).axes[0].lines) == 3
 
@@ -82,6 +83,12 @@ def test_report_with_a_vllm_row_and_the_ratios() -> None:
     assert "vLLM CPU: not run (not configured (--vllm-python or PREFIXSERVE_PEER_VLLM))." in table
     assert result["sessions_vllm_absent"].startswith("not configured")
     assert "sessions_vllm_over_tier_ttft_p50" not in result
+
+
+def test_p90_is_never_below_p50() -> None:
+    # two turns after the first (the smoke run's 2 sessions x 2 turns): p90 was the smaller of the two
+    v = fake([0.9, 0.5], 0, 100)
+    assert v["ttft_p50"] == pytest.approx(0.7) and v["ttft_p90"] == pytest.approx(0.86)
 
 
 def test_a_cache_smaller_than_one_history_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
