@@ -2,6 +2,7 @@
 whose histories outgrow the KV cache.
 
     prefixserve bench tier [--quick] [--model M] [--lengths 1024,3072] [--sessions S] [--turns T]
+        [--vllm-python PATH] [--vllm-dtype float32|bfloat16]
 
 Restart (`prefixserve serve` processes on one redis-server, as a deployment runs them):
   1. server A, with --kv-tier-dir: registers a prefix of each length (pinned: written to the tier), and a
@@ -14,11 +15,13 @@ Restart (`prefixserve serve` processes on one redis-server, as a deployment runs
      requests: the lease's text is a cold compute there.
   Target: cold TTFT / tier TTFT >= 10 (issue's anchors: 13.6x and 17.7x); B ready before C.
 
-Multi-turn: S sessions of T turns, round robin (turn t of every session, then t + 1), each turn the history
-so far + U new tokens (token ids), answered with M tokens whose ids are appended to the history; the KV cache
-holds a third of the final histories (S x T x (U + M) tokens). The same workload on a server with the tier
-and on one without: TTFT p50/p90 of turns 2..T, the prompt tokens served from cache (`cached_tokens`), the
-tier's hit blocks.
+Multi-turn (tier_sessions.py): S sessions of T turns, round robin (turn t of every session, then t + 1), each
+turn the history so far + U new tokens (token ids), answered with M tokens whose ids are appended to the
+history; the KV cache holds a third of the final histories (S x T x (U + M) tokens). The same workload on our
+server with the tier, on one without, and on vLLM CPU (--vllm-python, or PREFIXSERVE_PEER_VLLM: the same KV
+cache in tokens, prefix caching on, no tier: it recomputes what it evicted): TTFT p50/p90 of turns 2..T, the
+prompt tokens served from cache (`cached_tokens`), the tier's hit and miss blocks. Without a vLLM venv the
+report says vLLM was not run.
 """
 from __future__ import annotations
 
@@ -27,7 +30,6 @@ import asyncio
 import json
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,42 +42,9 @@ import aiohttp
 from tqdm import tqdm
 
 from benchmarks.common import add_common_args, command_line, new_figure, print_result, write_results
-from benchmarks.served.deployment import ROOT, free_port, metric, post, wait_ready
-
-WORDS = ("cache block token prefix restart disk replica tenant kernel attention query value batch page hash "
-         "chain verify memory latency schedule prompt answer server request stream model layer head").split()
-
-
-class Server:
-    """One `prefixserve serve` process; `ready_s`: seconds from its start to /health 200."""
-
-    def __init__(self, args: argparse.Namespace, log: Path, extra: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--served-model-name", "m", "--log-level", "warning", "--max-model-len", str(args.max_model_len),
-               "--kv-backend", args.kv_backend, *extra]
-        if args.model:
-            cmd += ["--model", args.model]
-        if args.quantization:
-            cmd += ["--quantization", args.quantization]
-        if args.threads > 0:
-            cmd += ["--torch-threads", str(args.threads)]
-        start = time.perf_counter()
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        wait_ready(f"{self.url}/health", self.proc, f"server ({log.name})")
-        self.ready_s = time.perf_counter() - start
-
-    def metric(self, name: str) -> float:
-        return metric(self.url, name)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+from benchmarks.served import tier_sessions
+from benchmarks.served.deployment import free_port, post
+from benchmarks.served.tier_sessions import WORDS, Server, stream
 
 
 def text_of(url: str, tokens: int, seed: int) -> tuple[str, int]:
@@ -91,29 +60,6 @@ def text_of(url: str, tokens: int, seed: int) -> tuple[str, int]:
             hi = mid - 1
     text = " ".join(words[:lo])
     return text, int(post(f"{url}/tokenize", {"prompt": text})["count"])
-
-
-async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One streamed completion: TTFT (s), cached and prompt tokens, the output's token ids."""
-    body = {"model": "m", "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}, **body}
-    start = time.perf_counter()
-    ttft: float | None = None
-    ids: list[int] = []
-    usage: dict[str, Any] = {}
-    async with session.post(f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for c in chunk.get("choices") or []:
-                ttft = ttft if ttft is not None else time.perf_counter() - start
-                ids += c.get("token_ids") or []
-            usage = chunk.get("usage") or usage
-    return {"ttft": ttft or 0.0, "cached": usage["prompt_tokens_details"]["cached_tokens"],
-            "prompt": usage["prompt_tokens"], "ids": ids}
 
 
 def first_requests(srv: Server, texts: dict[int, str]) -> dict[str, dict[int, float]]:
@@ -166,37 +112,6 @@ def restart(args: argparse.Namespace, tmp: Path, redis_url: str) -> dict[str, An
             "ttft": {"tier": tier_ttft, "no_tier": cold_ttft}, "tier_stats": tier_stats}
 
 
-def sessions(args: argparse.Namespace, tmp: Path, with_tier: bool) -> dict[str, Any]:
-    extra = ["--num-kv-blocks", str(args.session_blocks), "--max-num-seqs", "8"]
-    if with_tier:
-        extra += ["--kv-tier-dir", str(tmp / "sessions-tier")]
-    srv = Server(args, tmp / f"sessions-{with_tier}.log", extra)
-    rng = random.Random(args.seed)
-    words: list[int] = post(f"{srv.url}/tokenize", {"prompt": " ".join(WORDS), "add_special_tokens": False})["tokens"]
-    histories: list[list[int]] = [[] for _ in range(args.sessions)]
-
-    async def go() -> list[dict[str, Any]]:
-        rows = []
-        async with aiohttp.ClientSession() as session:
-            for turn in range(args.turns):
-                for s in range(args.sessions):
-                    histories[s] += rng.choices(words, k=args.user_tokens)
-                    r = await stream(session, srv.url, {"prompt": histories[s], "max_tokens": args.answer_tokens})
-                    histories[s] += r["ids"]
-                    rows.append({"turn": turn, "session": s, **{k: r[k] for k in ("ttft", "cached", "prompt")}})
-        return rows
-    try:
-        rows = asyncio.run(go())
-        stats = {k: srv.metric(f"prefixserve_kv_tier_{k}_total") for k in ("hit_blocks", "miss_blocks")}
-    finally:
-        srv.stop()
-    later = [r for r in rows if r["turn"] > 0]
-    ttfts = sorted(r["ttft"] for r in later)
-    return {"rows": rows, "ttft_p50": statistics.median(ttfts), "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
-            "cached_share": sum(r["cached"] for r in later) / sum(r["prompt"] for r in later),
-            "final_history_tokens": sum(r["prompt"] for r in rows if r["turn"] == args.turns - 1), **stats}
-
-
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.served.tier") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,13 +125,22 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.served
                     "--quick 160)")
     ap.add_argument("--answer-tokens", type=int, default=32)
     ap.add_argument("--session-blocks", type=int, default=None,
-                    help="KV blocks of the multi-turn servers (default: a third of the final histories)")
+                    help="our KV blocks (16 tokens) on the multi-turn servers (default: a third of the final "
+                         "histories, at least one session's, in multiples of 32 tokens); vLLM gets as many tokens")
+    ap.add_argument("--vllm-python", default=None,
+                    help="the vLLM CPU venv's python (or PREFIXSERVE_PEER_VLLM): the sessions on vLLM too")
+    ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="vLLM's --dtype (default float32: on AVX2-only CPUs vLLM's bfloat16 is emulated, slower)")
     ap.add_argument("--skip", default="", help="restart or sessions: a part not to run")
     args = ap.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     for name, full, quick in (("sessions", 12, 4), ("turns", 6, 3), ("user_tokens", 224, 160)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
+    try:                                        # before the restart part spends minutes
+        tier_sessions.sizes(args.sessions, args.turns, args.user_tokens, args.answer_tokens, args.session_blocks)
+    except ValueError as exc:
+        ap.error(str(exc))
     redis = shutil.which("redis-server")
     if redis is None:
         raise SystemExit("redis-server not found on PATH (the registry outlives a restart in Redis)")
@@ -233,10 +157,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.served
                 if part == "restart":
                     out["restart"] = restart(args, tmp, f"redis://127.0.0.1:{port}/0")
                 else:
-                    if args.session_blocks is None:      # a third of the final histories
-                        total = args.sessions * args.turns * (args.user_tokens + args.answer_tokens)
-                        args.session_blocks = -(-total // 3 // 16)
-                    out["sessions"] = {"tier": sessions(args, tmp, True), "no_tier": sessions(args, tmp, False)}
+                    out["sessions"] = tier_sessions.run(args, tmp)
                 tqdm.write(report(args, {part: out[part]})[0])      # each part's table as soon as it is done
         finally:
             rproc.terminate()
@@ -270,20 +191,9 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> tuple[str, dict[str
                   f"loads, {r['tier_stats']['load_seconds']:.2f} s in all.", ""]
         result |= {"ready_s_tier": round(ready["tier"], 2), "ready_s_recompute": round(ready["recompute"], 2)}
     if "sessions" in out:
-        s = out["sessions"]
-        lines += ["### Multi-turn sessions", "", f"{args.sessions} sessions x {args.turns} turns, round robin; "
-                  f"final histories {s['tier']['final_history_tokens']} tokens in all, KV cache "
-                  f"{args.session_blocks * 16} tokens ({args.session_blocks} blocks); turns 2..{args.turns}:", "",
-                  "| | TTFT p50 | TTFT p90 | prompt tokens from cache | tier hit blocks | tier miss blocks |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for name in ("tier", "no_tier"):
-            v = s[name]
-            lines.append(f"| {'with the tier' if name == 'tier' else 'without'} | {v['ttft_p50'] * 1000:.0f} ms | "
-                         f"{v['ttft_p90'] * 1000:.0f} ms | {v['cached_share']:.1%} | {v['hit_blocks']:.0f} | "
-                         f"{v['miss_blocks']:.0f} |")
-            result |= {f"sessions_{name}_ttft_p50_ms": round(v["ttft_p50"] * 1000, 1),
-                       f"sessions_{name}_ttft_p90_ms": round(v["ttft_p90"] * 1000, 1),
-                       f"sessions_{name}_cached_share": round(v["cached_share"], 3)}
+        more, figures = tier_sessions.report(args, out["sessions"])
+        lines += more
+        result |= figures
     return "\n".join(lines) + "\n", result
 
 
@@ -302,14 +212,7 @@ def figure(args: argparse.Namespace, out: dict[str, Any]) -> Any:
             ax.set_xticks(list(x), [f"{n} tokens" for n in args.lengths])
             ax.set_ylabel("first-request TTFT after a restart (ms, log)")
         else:
-            for name, label in (("tier", "with the tier"), ("no_tier", "without")):
-                rows = out["sessions"][name]["rows"]
-                turns = sorted({r["turn"] for r in rows})
-                ax.plot([t + 1 for t in turns], [statistics.median(r["ttft"] * 1000 for r in rows if r["turn"] == t)
-                                                 for t in turns], marker="o", label=label)
-            ax.set_xticks(range(1, args.turns + 1))
-            ax.set_xlabel("turn")
-            ax.set_ylabel("TTFT p50 (ms)")
+            tier_sessions.plot(ax, args, out["sessions"])
         ax.legend(fontsize=8)
     return fig
 

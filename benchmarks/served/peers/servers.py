@@ -105,6 +105,22 @@ def package_version(python: str, dist: str) -> str:
     return out.stdout.strip() or "?"
 
 
+def vllm_server(python: str, checkpoint: str, dtype: str, max_model_len: int, threads: int = 0,
+                extra: tuple[str, ...] = ()) -> Server:
+    """vLLM's OpenAI server on its CPU backend: the checkpoint in `dtype`, prefix caching on, its OpenMP threads
+    bound to `threads` of the cores this process may use (0: all of them), 4 GiB of KV cache unless `extra`
+    (more flags, last on the line) sizes it otherwise."""
+    use = cores()[:threads] if threads > 0 else cores()
+    return Server(
+        "vllm", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint,
+                 "--served-model-name", MODEL, "--dtype", dtype, "--enable-prefix-caching",
+                 "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", str(max_model_len),
+                 "--disable-log-stats", *extra],
+        {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, use)),
+         "OMP_NUM_THREADS": str(len(use)), "VLLM_TARGET_DEVICE": "cpu"},
+        0, 1200, {"ignore_eos": True}, version=package_version(python, "vllm-cpu"))
+
+
 def make_servers(args: argparse.Namespace, checkpoint: str, gguf: str,
                  context: int) -> tuple[dict[str, Server], dict[str, str]]:
     servers: dict[str, Server] = {}
@@ -122,15 +138,7 @@ def make_servers(args: argparse.Namespace, checkpoint: str, gguf: str,
         if python is None:
             absent["vllm"] = why
         else:
-            bind = f"{min(cores())}-{max(cores())}"
-            servers["vllm"] = Server(
-                "vllm", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint,
-                         "--served-model-name", MODEL, "--dtype", args.vllm_dtype, "--enable-prefix-caching",
-                         "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", str(context),
-                         "--disable-log-stats"],
-                {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": str(n),
-                 "VLLM_TARGET_DEVICE": "cpu"},
-                0, 1200, {"ignore_eos": True}, version=package_version(python, "vllm-cpu"))
+            servers["vllm"] = vllm_server(python, checkpoint, args.vllm_dtype, context)
     if "llama.cpp" in args.systems:
         python, why = peer_python(args.llama_cpp_python, "PREFIXSERVE_PEER_LLAMA_CPP")
         if not gguf.endswith(".gguf"):
