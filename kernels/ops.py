@@ -18,7 +18,10 @@ never asks which device it is on or whether a kernel is available.
 Two precisions. `mixed=False` is the reference: every op in the model's dtype, as transformers computes it (the
 parity tests hold the float32 model to transformers token for token). `mixed=True` is the quantized model's:
 bfloat16 between the matmuls, a float32 residual stream, float32 math inside each op, one rounding at its end;
-the C++ kernels implement it and the torch fallbacks compute the same formula.
+the C++ kernels implement it and the torch fallbacks compute the same formula. Where a step's quantized layers
+take a float32 dense GEMM (no oneDNN bfloat16 on the CPU: AVX2), its activations between the matmuls are float32
+instead (`step_act`): no rounding, and no bfloat16 round trip around every GEMM (a 64-row decode step 222 ->
+197 ms on a Zen 3).
 
 Batch invariance (`KernelConfig.batch_invariant`): every choice that depends on the step's shape is fixed: the
 quantized layers and head take one kernel for every row count and every step (the int4 / int8 kernel: each
@@ -143,25 +146,37 @@ class Ops:
         return "bfloat16" if quantized and self.quantized_gemms else dtype
 
     # -- elementwise ------------------------------------------------------------------------------------------------
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, mixed: bool) -> torch.Tensor:
-        """x [T, H] -> normalized: mixed, bf16(w * x * rsqrt(mean(x^2) + eps)) from a float32 x; else in x's
+    def step_act(self, rows: int, prefill: bool) -> torch.dtype:
+        """The activations between a mixed step's matmuls: float32 where its quantized layers take the dense GEMM
+        and that GEMM is float32 (no oneDNN bfloat16 here: kernels/quant_gemm.py DENSE_DTYPE), so no bfloat16
+        round trip costs passes over memory around every GEMM; bfloat16 otherwise (the int4 / int8 kernels
+        take bfloat16)."""
+        if qg.DENSE_DTYPE == torch.float32 and not self.config.batch_invariant and \
+                (prefill or rows >= qg.DENSE_FROM_ROWS):
+            return torch.float32
+        return qg.ACT
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, mixed: bool,
+                 act: torch.dtype = qg.ACT) -> torch.Tensor:
+        """x [T, H] -> normalized: mixed, act(w * x * rsqrt(mean(x^2) + eps)) from a float32 x; else in x's
         dtype as transformers' LlamaRMSNorm (w * (x * r).to(dtype))."""
         if not mixed:
             x32 = x.float()
             return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         if self._fused is not None and x.dtype == weight.dtype == torch.float32:
-            return self._fused.rms_norm(x, weight, eps)
+            return self._fused.rms_norm(x, weight, eps, act)
         x32 = x.float()
-        return (weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(qg.ACT)
+        return (weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(act)
 
     def add_rms_norm(self, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
                      mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + r, rms_norm(x + r)). Mixed: x float32 is updated in place by the C++ kernel (r bfloat16)."""
+        """(x + r, rms_norm(x + r)). Mixed: x float32 is updated in place by the C++ kernel (r bfloat16 or
+        float32, the norm in r's dtype)."""
         if mixed and self._fused is not None and x.dtype == weight.dtype == torch.float32 and \
-                r.dtype == torch.bfloat16 and not x.requires_grad:
+                r.dtype in (torch.bfloat16, torch.float32) and not x.requires_grad:
             return x, self._fused.add_rms_norm(x, r, weight, eps)
         x = x + r.to(x.dtype)
-        return x, self.rms_norm(x, weight, eps, mixed)
+        return x, self.rms_norm(x, weight, eps, mixed, r.dtype if mixed else qg.ACT)
 
     def final_norm(self, x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """The model's last norm, into the model's dtype (what the head reads): rms_norm(x + r) as transformers."""
@@ -172,9 +187,10 @@ class Ops:
     def qkv_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_dim: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split a [T, (H + 2 Hkv) D] projection into q [T, H, D], k, v [T, Hkv, D] and rotate q and k by cos, sin
-        (NeoX halves). Mixed: a bfloat16 projection gives float32 q, k, v; else they keep qkv's dtype."""
+        (NeoX halves). Mixed: a bfloat16 or float32 projection gives float32 q, k, v; else they keep qkv's dtype."""
         t = qkv.shape[0]
-        if mixed and self._fused is not None and qkv.dtype == torch.bfloat16 and cos.dtype == torch.float32:
+        if mixed and self._fused is not None and qkv.dtype in (torch.bfloat16, torch.float32) and \
+                cos.dtype == torch.float32:
             return self._fused.qkv_rope(qkv, cos.contiguous(), sin.contiguous(), num_heads, num_kv_heads, head_dim)
         if mixed:
             qkv = qkv.float()
@@ -184,21 +200,22 @@ class Ops:
         return q, k, v.reshape(t, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor, mixed: bool) -> torch.Tensor:
-        """silu(gate) * up of a [T, 2I] = [gate | up] projection: mixed, float32 math rounded once to bfloat16;
-        else in gate_up's dtype."""
-        if mixed and self._fused is not None and gate_up.dtype == torch.bfloat16:
+        """silu(gate) * up of a [T, 2I] = [gate | up] projection: mixed, float32 math rounded once to gate_up's
+        dtype (bfloat16 or float32); else in gate_up's dtype."""
+        if mixed and self._fused is not None and gate_up.dtype in (torch.bfloat16, torch.float32):
             return self._fused.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         if mixed:
-            return (F.silu(gate.float()) * up.float()).to(qg.ACT)
+            return (F.silu(gate.float()) * up.float()).to(gate_up.dtype)
         return F.silu(gate) * up
 
     # -- GEMMs ------------------------------------------------------------------------------------------------------
     def linear(self, layer: Any, x: torch.Tensor, prefill: bool) -> torch.Tensor:
         """A projection: an nn.Linear, or a quantized layer (engine/models/quant.py: `kind` "int4" with `packed`
         and `scale_zero`, or "int8" with `weight_q` and `scale`; `dense`, the weight as quant_gemm.pack_dense
-        made it (bfloat16, or float32 where oneDNN has no bfloat16 GEMM), empty if never read; `bias`), bfloat16
-        in and out. A quantized layer takes the dense GEMM for a step with a prefill chunk or of DENSE_FROM_ROWS
+        made it (bfloat16, or float32 where oneDNN has no bfloat16 GEMM), empty if never read; `bias`), out in x's
+        dtype (the step's activations: `step_act`). A quantized layer takes the dense GEMM for a step with a
+        prefill chunk or of DENSE_FROM_ROWS
         rows and more, its int4 / int8
         kernel otherwise; in the batch-invariant mode, its int4 / int8 kernel always.
 
@@ -210,9 +227,11 @@ class Ops:
             return F.linear(x, layer.weight, layer.bias)
         if self._dense(layer, x.shape[0], prefill):
             return qg.dense_mm(x, layer.dense, layer.bias)
-        y = qg.int4_mm(x, layer.packed, layer.scale_zero) if kind == "int4" else \
-            qg.int8_mm(x, layer.weight_q, layer.scale)
-        return y if layer.bias is None else y.add_(layer.bias.to(qg.ACT))
+        xa = x.to(qg.ACT)
+        y = qg.int4_mm(xa, layer.packed, layer.scale_zero) if kind == "int4" else \
+            qg.int8_mm(xa, layer.weight_q, layer.scale)
+        y = y if layer.bias is None else y.add_(layer.bias.to(qg.ACT))
+        return y.to(x.dtype)
 
     def _dense(self, layer: Any, rows: int, prefill: bool) -> bool:
         if self.config.batch_invariant or layer.dense.numel() == 0:
@@ -233,7 +252,8 @@ class Ops:
         elif head.wide is not None:
             logits, k = head.wide(xf), min(head.refine, WIDE_REFINE)
         else:
-            logits, k = self.linear(head.coarse, x.to(qg.ACT), prefill=True).float(), min(head.refine, BF16_HEAD_REFINE)
+            coarse = self.linear(head.coarse, x.to(self.step_act(rows, True)), prefill=True)
+            logits, k = coarse.float(), min(head.refine, BF16_HEAD_REFINE)
         top = self.topk(logits, k)
         if self._logits is not None and head.weight.dtype in (torch.float32, torch.bfloat16):
             return self._logits.refine(logits, top, xf, head.weight.contiguous())

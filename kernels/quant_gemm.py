@@ -75,13 +75,13 @@ def int8_mm(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor) -> tor
 
 
 def dense_mm(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] bfloat16 @ W^T (+ b), W as `pack_dense` made it -> [T, out] bfloat16 (computed in W's dtype:
-    a float32 W takes x exactly and rounds the product once)."""
+    """x [T, in] (bfloat16 or float32) @ W^T (+ b), W as `pack_dense` made it -> [T, out] in x's dtype (computed
+    in W's dtype: a float32 W takes x exactly; no conversion where x is already in it)."""
     xw = x.to(dense.dtype)
     b = None if bias is None else bias.to(dense.dtype)
     y = torch.ops.mkldnn._linear_pointwise(xw, dense, b, "none", [], "") if ONEDNN else \
         torch.nn.functional.linear(xw, dense, b)
-    return y.to(ACT)
+    return y.to(x.dtype)
 
 
 class Int8ActHead:

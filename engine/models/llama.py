@@ -13,8 +13,9 @@ their sum and its norm in one op (vLLM's fused residual form):
     x, h = add_rms_norm(x, o_proj(attend(q, k, v)))
     r = down_proj(silu_mul(gate_up_proj(h)))         -> (r, x) to the next layer; the model ends with norm(x + r)
 
-A quantized model runs it in mixed precision (`mixed`: bfloat16 between the matmuls, a float32 residual
-stream); otherwise every op is in the model's dtype, as transformers computes it.
+A quantized model runs it in mixed precision (`mixed`: bfloat16 between the matmuls, or float32 in a step
+whose GEMMs are float32 (`Step.act`, kernels/ops.py step_act), a float32 residual stream); otherwise every op is
+in the model's dtype, as transformers computes it.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class Step:
     ops: Ops
     prefill: bool             # the step computes prompt tokens (quantized layers take their GEMM path by it)
     mixed: bool               # bfloat16 between the matmuls, a float32 residual stream (quantized models)
+    act: torch.dtype = torch.bfloat16   # mixed: the dtype between the matmuls this step (Ops.step_act)
 
 
 @dataclass
@@ -205,7 +207,7 @@ class DecoderLayer(nn.Module):
         layer) -> (this layer's output, the residual stream). Mixed: x float32 may be updated in place."""
         ops, n_in, n_post = step.ops, self.input_layernorm, self.post_attention_layernorm
         if r is None:
-            h = ops.rms_norm(x, n_in.weight, n_in.eps, step.mixed)
+            h = ops.rms_norm(x, n_in.weight, n_in.eps, step.mixed, step.act)
         else:
             x, h = ops.add_rms_norm(x, r, n_in.weight, n_in.eps, step.mixed)
         a = self.self_attn(h, cos, sin, attend, step)
@@ -246,15 +248,17 @@ class LlamaForCausalLM(nn.Module):
         """What the matmuls take and give: bfloat16 when mixed, else the model's dtype."""
         return torch.bfloat16 if self.mixed else self.embed_tokens.weight.dtype
 
-    def step(self, md: AttentionMetadata) -> Step:
-        return Step(self.ops, prefill=not md.is_decode_only, mixed=self.mixed)
+    def step(self, md: AttentionMetadata, rows: int) -> Step:
+        prefill = not md.is_decode_only
+        act = self.ops.step_act(rows, prefill) if self.mixed else self.embed_tokens.weight.dtype
+        return Step(self.ops, prefill=prefill, mixed=self.mixed, act=act)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, key_caches: torch.Tensor,
                 value_caches: torch.Tensor, md: AttentionMetadata, backend: AttentionOps) -> torch.Tensor:
         # input_ids, positions: [T]; key_caches: [num_layers, num_blocks, block_size, Hkv, D] -> [T, hidden]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        step = self.step(md)
+        step = self.step(md, input_ids.shape[0])
         r: torch.Tensor | None = None
         between = self.ops.between_layers
         for i, layer in enumerate(self.layers):

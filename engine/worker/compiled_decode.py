@@ -120,9 +120,9 @@ class CompiledDecode:
         try:
             x = model.embed_tokens(input_ids)
             cos, sin = model.rotary(positions, x.dtype)
-            step = model.step(md)
+            step = model.step(md, input_ids.shape[0])
             # the first layer adds a zero output (x + 0 is x, bit for bit): every layer is one graph
-            r = x.new_zeros(x.shape, dtype=model.act_dtype)
+            r = x.new_zeros(x.shape, dtype=step.act if model.mixed else model.act_dtype)
             for i, layer in enumerate(model.layers):          # key_caches: [num_layers, ...]
                 r, x = self._layer(layer, x, r, cos, sin, key_caches[i], value_caches[i], model.scale, step)
             return model.ops.final_norm(x, r, model.norm.weight, model.norm.eps)

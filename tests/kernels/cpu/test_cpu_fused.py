@@ -83,6 +83,50 @@ def test_silu_mul(variant: CpuKernels, rows: int) -> None:
     close_bf16(REFERENCE.silu_mul(gate_up, mixed=True), (F.silu(g) * u).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("rows", [1, 9, 130])
+def test_float32_activations(variant: CpuKernels, rows: int) -> None:
+    """A step whose matmuls are float32 GEMMs keeps its activations float32 (Ops.step_act): each kernel takes and
+    gives float32 there, within float32 rounding of the formula, and the residual is updated exactly."""
+    fused = variant.fused
+    w, eps = torch.rand(576) + 0.5, 1e-5
+    x = strided(rows, 576, torch.float32, rows)
+    y = fused.rms_norm(x, w, eps, torch.float32)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, norm(x, w, eps), rtol=1e-5, atol=1e-6)
+    r = strided(rows, 576, torch.float32, rows + 1)
+    x2 = x.clone()
+    y = fused.add_rms_norm(x2, r, w, eps)
+    assert y.dtype == torch.float32 and torch.equal(x2, x + r)
+    torch.testing.assert_close(y, norm(x + r, w, eps), rtol=1e-5, atol=1e-6)
+    gate_up = strided(rows, 2 * 1536, torch.float32, rows + 2)
+    g, u = gate_up.chunk(2, dim=-1)
+    got = fused.silu_mul(gate_up)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.silu(g) * u, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(REFERENCE.silu_mul(gate_up, mixed=True), got, rtol=1e-5, atol=1e-6)
+    heads, kv_heads, head_dim = 9, 3, 64
+    qkv = strided(rows, (heads + 2 * kv_heads) * head_dim, torch.float32, rows + 3)
+    emb = torch.rand(rows, head_dim // 2).repeat(1, 2) * 100
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    q, k, v = fused.qkv_rope(qkv, cos, sin, heads, kv_heads, head_dim)
+    fq, fk, fv = REFERENCE.qkv_rope(qkv, cos, sin, heads, kv_heads, head_dim, mixed=True)
+    torch.testing.assert_close(q, fq, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, fk, rtol=1e-6, atol=1e-6)
+    assert torch.equal(v, fv)
+
+
+def test_step_activations_follow_the_dense_gemm() -> None:
+    """float32 between the matmuls exactly where the step takes a float32 dense GEMM; bfloat16 for the int4 /
+    int8 kernels' steps and in the batch-invariant mode."""
+    import kernels.quant_gemm as qg
+    ops = Ops(KernelConfig())
+    wide = torch.float32 if qg.DENSE_DTYPE == torch.float32 else torch.bfloat16
+    assert ops.step_act(qg.DENSE_FROM_ROWS, prefill=False) == wide
+    assert ops.step_act(1, prefill=True) == wide
+    assert ops.step_act(qg.DENSE_FROM_ROWS - 1, prefill=False) == torch.bfloat16
+    assert Ops(KernelConfig(batch_invariant=True)).step_act(4096, prefill=True) == torch.bfloat16
+
+
 def test_the_c_kernels_agree_with_the_torch_ops_in_the_model(tiny_llama_dir: Path, cpu: CpuKernels) -> None:
     """The same quantized model, the same prompts, greedy: the op layer on the C++ kernels (the default on the
     CPU) against the same op layer on its torch implementations (cpu_kernels none), prefill and decode steps:
