@@ -14,7 +14,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from engine.config import QUANTIZATIONS
 from engine.kv import backends as kv_backends
 
 if TYPE_CHECKING:
+    from aiohttp import ClientResponse
     from matplotlib.figure import Figure
 
     from engine.llm_engine import LLMEngine
@@ -179,6 +180,19 @@ def run_engine(engine: LLMEngine, prompts: Sequence[list[int]], params: Sampling
 
 
 # -- results -------------------------------------------------------------------------------------
+async def sse_events(resp: ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of a streamed response's `data: {...}` events as they arrive (`data: [DONE]`, comments
+    and keep-alives skipped): the one SSE reader of the benchmark clients."""
+    buf = b""
+    async for data in resp.content.iter_any():
+        buf += data.replace(b"\r\n", b"\n")
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            event = event.strip()
+            if event.startswith(b"data: {"):
+                yield json.loads(event[6:])
+
+
 def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0) -> tuple[Figure, Any]:
     import matplotlib
     matplotlib.use("Agg")

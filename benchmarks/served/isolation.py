@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import subprocess
@@ -34,7 +33,7 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from benchmarks.common import add_common_args, command_line, new_figure, print_result, write_results
+from benchmarks.common import add_common_args, command_line, new_figure, print_result, sse_events, write_results
 from benchmarks.served.deployment import ROOT, free_port, wait_ready
 
 KEYS = {"A": "tenant-a-key", "B": "tenant-b-key"}
@@ -84,11 +83,7 @@ async def complete(session: aiohttp.ClientSession, url: str, key: str, text: str
     usage: dict[str, Any] = {}
     async with session.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
         r.raise_for_status()
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_events(r):
             if chunk.get("choices") and ttft is None:
                 ttft = time.perf_counter() - start
             usage = chunk.get("usage") or usage

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from benchmarks.common import add_common_args, command_line, new_figure, print_result, write_results
+from benchmarks.common import add_common_args, command_line, new_figure, print_result, sse_events, write_results
 from benchmarks.served.deployment import Deployment, get, metric, post
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware", "registered")
@@ -88,21 +87,14 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) ->
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return res
-            buf = b""
-            async for data in resp.content.iter_any():
-                buf += data
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    if not event.startswith(b"data: {"):
-                        continue
-                    chunk = json.loads(event[6:])
-                    if chunk.get("usage"):
-                        u = chunk["usage"]
-                        res.prompt_tokens, res.output_tokens = u["prompt_tokens"], u["completion_tokens"]
-                        res.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
-                    for c in chunk.get("choices", []):
-                        if c["delta"].get("content") and not res.ttft:
-                            res.ttft = time.perf_counter() - t0
+            async for chunk in sse_events(resp):
+                if chunk.get("usage"):
+                    u = chunk["usage"]
+                    res.prompt_tokens, res.output_tokens = u["prompt_tokens"], u["completion_tokens"]
+                    res.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                for c in chunk.get("choices", []):
+                    if c["delta"].get("content") and not res.ttft:
+                        res.ttft = time.perf_counter() - t0
         res.ok = res.output_tokens == body["max_tokens"]
         if not res.ok:
             res.error = f"got {res.output_tokens} of {body['max_tokens']} tokens"

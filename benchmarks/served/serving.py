@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
-from benchmarks.common import scratch_dir
+from benchmarks.common import scratch_dir, sse_events
 from engine.kv import backends as kv_backends
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,27 +77,20 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return res
-            buf = b""
-            async for data in resp.content.iter_any():
-                buf += data
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    if not event.startswith(b"data: {"):
-                        continue
-                    chunk = json.loads(event[6:])
-                    if "error" in chunk:
-                        res.error = chunk["error"]["message"]
-                        return res
-                    n = sum(len(c.get("token_ids", [])) for c in chunk["choices"])
-                    if not n:
-                        continue
-                    now = time.perf_counter()
-                    if res.output_tokens == 0:
-                        res.ttft = now - t0
-                    else:
-                        res.itl.extend([(now - last) / n] * n)  # a merged delta spreads its gap evenly
-                    last = now
-                    res.output_tokens += n
+            async for chunk in sse_events(resp):
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    return res
+                n = sum(len(c.get("token_ids", [])) for c in chunk["choices"])
+                if not n:
+                    continue
+                now = time.perf_counter()
+                if res.output_tokens == 0:
+                    res.ttft = now - t0
+                else:
+                    res.itl.extend([(now - last) / n] * n)  # a merged delta spreads its gap evenly
+                last = now
+                res.output_tokens += n
         res.e2e = time.perf_counter() - t0
         res.ok = res.output_tokens == output_len
         if not res.ok:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks.common import sse_events
 from benchmarks.served.deployment import ROOT, free_port, metric, post, wait_ready
 from benchmarks.served.peers.client import pct
 from benchmarks.served.peers.servers import peer_python, vllm_server
@@ -96,11 +96,7 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any])
     usage: dict[str, Any] = {}
     async with session.post(f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_events(r):
             for c in chunk.get("choices") or []:
                 ttft = ttft if ttft is not None else time.perf_counter() - start
                 ids += c.get("token_ids") or []

@@ -3,7 +3,6 @@ server (aiohttp; each server is told to generate exactly max_tokens its own way:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
+from benchmarks.common import sse_events
 from benchmarks.served.peers.servers import MODEL, Server
 
 
@@ -48,28 +48,20 @@ async def request(session: aiohttp.ClientSession, server: Server, path: str, bod
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return res
-            buf = b""
-            async for data in resp.content.iter_any():
-                buf += data
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    event = event.strip()
-                    if not event.startswith(b"data: {"):
-                        continue
-                    chunk = json.loads(event[6:])
-                    if "error" in chunk:
-                        res.error = str(chunk["error"])[:300]
-                        return res
-                    if chunk.get("usage"):
-                        usage_tokens = chunk["usage"].get("completion_tokens")
-                        res.prompt_tokens = chunk["usage"].get("prompt_tokens")
-                    for c in chunk.get("choices") or []:
-                        text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
-                        if text:
-                            chunks += 1
-                            pieces.append(text)
-                            if not res.ttft:
-                                res.ttft = time.perf_counter() - t0
+            async for chunk in sse_events(resp):
+                if "error" in chunk:
+                    res.error = str(chunk["error"])[:300]
+                    return res
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+                    res.prompt_tokens = chunk["usage"].get("prompt_tokens")
+                for c in chunk.get("choices") or []:
+                    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                    if text:
+                        chunks += 1
+                        pieces.append(text)
+                        if not res.ttft:
+                            res.ttft = time.perf_counter() - t0
         res.e2e = time.perf_counter() - t0
         res.text = "".join(pieces)
         res.tokens = usage_tokens if usage_tokens is not None else chunks
