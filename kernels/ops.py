@@ -5,8 +5,9 @@ never asks which device it is on or whether a kernel is available.
     op                      implementations (the first that applies)
     rms_norm, add_rms_norm  C++ (kernels/cpu/fused.cpp) for the mixed-precision path; torch
     qkv_rope, silu_mul      C++ for the mixed-precision path; torch
-    linear                  quantized weights: torch's int4 / int8 kernel or the dense GEMM (oneDNN), by the
-                            step's shape; plain weights: torch's linear
+    linear                  quantized weights: torch's int4 / int8 kernel (or, where wide steps are float32
+                            GEMMs, C++ int4 GEMM kernels/cpu/int4_gemm.cpp) or the dense GEMM (oneDNN), by
+                            the step's shape; plain weights: torch's linear
     logits                  a quantized head: coarse logits, then the top ones exact (C++ top-k and refine, or
                             torch); a plain head: torch's linear
     row_stats, topk,        C++ (kernels/cpu/logits.cpp); torch (sample_softmax: None, the sampler's torch path)
@@ -107,6 +108,10 @@ class Ops:
                 reason = str(exc)
         self._fused = None if self.cpu is None or config.traced else self.cpu.fused
         self._logits = None if self.cpu is None else self.cpu.logits
+        # the narrow steps' int4 GEMM (kernels/cpu/int4_gemm.py), where wide steps are float32 GEMMs: not inside a
+        # traced graph (a ctypes call), not in the batch-invariant mode (its int4 kernel is torch's, tested so)
+        self._int4 = None if self.cpu is None or config.traced or config.batch_invariant or \
+            qg.DENSE_DTYPE != torch.float32 else self.cpu.int4
         self.quantized_gemms = on_cpu            # torch's int4 / int8 kernels are CPU kernels
         ops: dict[str, str] = {}
         variant = f"c++ {self.cpu.variant}" if self.cpu is not None else "torch"
@@ -126,6 +131,7 @@ class Ops:
         if on_cpu:
             ops["quantized gemm"] = ("int4 / int8 kernel at every row count (batch-invariant)"
                                      if config.batch_invariant else
+                                     f"{'c++ int4 gemm (int4 layers) or ' if self._int4 is not None else ''}"
                                      f"int4 / int8 kernel below {qg.DENSE_FROM_ROWS} decode rows, else "
                                      f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} "
                                      f"({'oneDNN' if qg.ONEDNN else 'torch linear'})")
@@ -146,13 +152,18 @@ class Ops:
         return "bfloat16" if quantized and self.quantized_gemms else dtype
 
     # -- elementwise ------------------------------------------------------------------------------------------------
+    @property
+    def narrow_int4(self) -> bool:
+        """Whether narrow steps' int4 layers run the C++ int4 GEMM (float32 activations) instead of torch's kernel."""
+        return self._int4 is not None
+
     def step_act(self, rows: int, prefill: bool) -> torch.dtype:
         """The activations between a mixed step's matmuls: float32 where its quantized layers take the dense GEMM
         and that GEMM is float32 (no oneDNN bfloat16 here: kernels/quant_gemm.py DENSE_DTYPE), so no bfloat16
         round trip costs passes over memory around every GEMM; bfloat16 otherwise (the int4 / int8 kernels
-        take bfloat16)."""
+        take bfloat16; the C++ int4 GEMM, where it serves the narrow steps, float32)."""
         if qg.DENSE_DTYPE == torch.float32 and not self.config.batch_invariant and \
-                (prefill or rows >= qg.DENSE_FROM_ROWS):
+                (prefill or rows >= qg.DENSE_FROM_ROWS or self._int4 is not None):
             return torch.float32
         return qg.ACT
 
@@ -227,6 +238,10 @@ class Ops:
             return F.linear(x, layer.weight, layer.bias)
         if self._dense(layer, x.shape[0], prefill):
             return qg.dense_mm(x, layer.dense, layer.bias)
+        if kind == "int4" and self._int4 is not None and layer.q8.numel():
+            y = self._int4.gemm(x.float().contiguous(), layer.q8, layer.sz8)
+            y = y if layer.bias is None else y.add_(layer.bias.float())
+            return y.to(x.dtype)
         xa = x.to(qg.ACT)
         y = qg.int4_mm(xa, layer.packed, layer.scale_zero) if kind == "int4" else \
             qg.int8_mm(xa, layer.weight_q, layer.scale)
@@ -248,7 +263,7 @@ class Ops:
         xf = x.float().contiguous()
         rows = x.shape[0]
         if self.config.batch_invariant or rows < qg.DENSE_FROM_ROWS:
-            logits, k = self.linear(head.coarse, x.to(qg.ACT), prefill=False).float(), head.refine
+            logits, k = self.linear(head.coarse, x.to(self.step_act(rows, False)), prefill=False).float(), head.refine
         elif head.wide is not None:
             logits, k = head.wide(xf), min(head.refine, WIDE_REFINE)
         else:

@@ -46,8 +46,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from kernels.cpu import int4_gemm
 from kernels.ops import Ops, default_ops
-from kernels.quant_gemm import ACT, DENSE_FROM_ROWS, GROUP, int4_fits, pack_dense, pack_int4
+from kernels.quant_gemm import ACT, DENSE_DTYPE, DENSE_FROM_ROWS, GROUP, int4_fits, pack_dense, pack_int4
 
 
 class Int4Linear(nn.Module):
@@ -71,6 +72,15 @@ class Int4Linear(nn.Module):
             s, z = scale.to(ACT).float(), zero.to(ACT).float()
             dense = ((q.float() - 8).view(self.out_features, -1, GROUP) * s[..., None] + z[..., None]).view(q.shape)
         self.register_buffer("dense", pack_dense(dense))
+        # the narrow steps' own int4 GEMM (kernels/cpu/int4_gemm.py) where wide steps are float32 GEMMs
+        self.q8: torch.Tensor
+        self.sz8: torch.Tensor
+        if DENSE_DTYPE == torch.float32 and int4_gemm.fits(self.out_features, self.in_features):
+            q8, sz8 = int4_gemm.pack(q, scale.to(ACT).float(), zero.to(ACT).float())
+        else:
+            q8, sz8 = torch.empty(0, dtype=torch.int32), torch.empty(0)
+        self.register_buffer("q8", q8)
+        self.register_buffer("sz8", sz8)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:

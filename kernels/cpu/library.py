@@ -24,6 +24,7 @@ from pathlib import Path
 
 from kernels.cpu.build import KERNELS, MANIFEST, SOURCES, source_digest, variants
 from kernels.cpu.fused import Fused
+from kernels.cpu.int4_gemm import Int4Gemm
 from kernels.cpu.logits import Logits
 from kernels.cpu.paged_decode import PagedDecode
 from kernels.cpu.paged_prefill import PagedPrefill
@@ -94,6 +95,7 @@ class CpuKernels:
     prefill: PagedPrefill
     fused: Fused
     logits: Logits
+    int4: Int4Gemm
     paths: dict[str, str] = field(default_factory=dict)      # kernel -> the loops it runs (avx2, avx512, ...)
 
 
@@ -111,10 +113,11 @@ def load(requested: str = "auto", directory: Path = LIB_DIR) -> CpuKernels:
         except OSError as exc:
             raise KernelUnavailable(f"loading {path} failed: {exc}") from exc
     decode, prefill = PagedDecode(libs["paged_decode"]), PagedPrefill(libs["paged_prefill"])
-    fused, logits = Fused(libs["fused"]), Logits(libs["logits"])
-    paths = {"paged_decode": decode.path, "paged_prefill": prefill.path(), "fused": fused.path, "logits": logits.path}
+    fused, logits, int4 = Fused(libs["fused"]), Logits(libs["logits"]), Int4Gemm(libs["int4_gemm"])
+    paths = {"paged_decode": decode.path, "paged_prefill": prefill.path(), "fused": fused.path, "logits": logits.path,
+             "int4_gemm": int4.path}
     return CpuKernels(variant, m.get("compiler_version") or m.get("compiler", ""), decode, prefill, fused, logits,
-                      paths)
+                      int4, paths)
 
 
 def built_variants(directory: Path = LIB_DIR) -> list[str]:

@@ -116,14 +116,16 @@ def test_float32_activations(variant: CpuKernels, rows: int) -> None:
 
 
 def test_step_activations_follow_the_dense_gemm() -> None:
-    """float32 between the matmuls exactly where the step takes a float32 dense GEMM; bfloat16 for the int4 /
-    int8 kernels' steps and in the batch-invariant mode."""
+    """float32 between the matmuls exactly where the step takes a float32 dense GEMM or the C++ int4 GEMM;
+    bfloat16 for torch's int4 / int8 kernels' steps and in the batch-invariant mode."""
     import kernels.quant_gemm as qg
     ops = Ops(KernelConfig())
     wide = torch.float32 if qg.DENSE_DTYPE == torch.float32 else torch.bfloat16
     assert ops.step_act(qg.DENSE_FROM_ROWS, prefill=False) == wide
     assert ops.step_act(1, prefill=True) == wide
-    assert ops.step_act(qg.DENSE_FROM_ROWS - 1, prefill=False) == torch.bfloat16
+    narrow = torch.float32 if ops.narrow_int4 else torch.bfloat16
+    assert ops.step_act(qg.DENSE_FROM_ROWS - 1, prefill=False) == narrow
+    assert ops.narrow_int4 == (qg.DENSE_DTYPE == torch.float32 and ops.cpu is not None)
     assert Ops(KernelConfig(batch_invariant=True)).step_act(4096, prefill=True) == torch.bfloat16
 
 

@@ -1,0 +1,135 @@
+// A quantized GEMM for narrow steps (1 to ~16 rows) on CPUs whose wide steps are float32 GEMMs (AVX2): the
+// weights stay 4-bit in memory (a step reads an eighth of the float32 bytes) and a whole step's rows are
+// computed at once, each decoded weight vector used by every row (torch's int4 kernel walks the weights
+// once a row). Launcher, layout and contract: kernels/cpu/int4_gemm.py.
+//
+//     y[t, n] = sum over groups g of  s[n, g] * sum_{k in g} q[n, k] x[t, k]  +  z[n, g] * sum_{k in g} x[t, k]
+//
+// with q in 0..15 and z the group's offset (W[n, k] = q[n, k] s[n, g] + z[n, g]), float32 products and sums.
+// A row's result depends on that row only (the same order of operations for every batch).
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PREFIXSERVE_AVX2 1
+#endif
+
+namespace {
+
+constexpr int GROUP = 32;
+constexpr int ROWS = 4;          // rows a pass: 8 accumulators for two blocks of 8 outputs
+
+#if defined(PREFIXSERVE_AVX2)
+inline __m256 decode(uint32_t w, __m256i shifts, __m256i mask) {   // 8 nibbles -> 8 floats
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts),
+                                               mask));
+}
+
+// Rows [t0, t0 + R) of two blocks of 8 outputs (b, b + 1): y += over groups (s * sum q x + z * sum x).
+template <int R>
+void pass(const float* x, int64_t x_stride, const float* xs, const uint32_t* w0, const uint32_t* w1,
+          const float* sz0, const float* sz1, float* y, int64_t y_stride, int K) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
+    const int G = K / GROUP;
+    __m256 out[R][2];
+    for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) {
+        __m256 acc[R][2];
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int k = g * GROUP; k < (g + 1) * GROUP; ++k) {
+            const __m256 a = decode(w0[k], shifts, mask), b = decode(w1[k], shifts, mask);
+            for (int r = 0; r < R; ++r) {
+                const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
+                acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
+            }
+        }
+        const __m256 s0 = _mm256_loadu_ps(sz0 + g * 16), z0 = _mm256_loadu_ps(sz0 + g * 16 + 8);
+        const __m256 s1 = _mm256_loadu_ps(sz1 + g * 16), z1 = _mm256_loadu_ps(sz1 + g * 16 + 8);
+        for (int r = 0; r < R; ++r) {
+            const __m256 sx = _mm256_broadcast_ss(xs + r * G + g);
+            out[r][0] = _mm256_fmadd_ps(z0, sx, _mm256_fmadd_ps(s0, acc[r][0], out[r][0]));
+            out[r][1] = _mm256_fmadd_ps(z1, sx, _mm256_fmadd_ps(s1, acc[r][1], out[r][1]));
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(y + r * y_stride, out[r][0]);
+        _mm256_storeu_ps(y + r * y_stride + 8, out[r][1]);
+    }
+}
+#endif
+
+// The same sums one output at a time (builds without AVX2).
+void generic(const float* x, int64_t x_stride, const float* xs, const uint32_t* w, const float* sz, float* y,
+             int64_t y_stride, int T, int n, int K) {
+    const int G = K / GROUP, b = n / 8, j = n % 8;
+    for (int t = 0; t < T; ++t) {
+        float out = 0.f;
+        for (int g = 0; g < G; ++g) {
+            float acc = 0.f;
+            for (int k = g * GROUP; k < (g + 1) * GROUP; ++k)
+                acc += static_cast<float>((w[static_cast<int64_t>(b) * K + k] >> (4 * j)) & 15u) * x[t * x_stride + k];
+            const float* s = sz + (static_cast<int64_t>(b) * G + g) * 16;
+            out = s[8 + j] * xs[t * G + g] + (s[j] * acc + out);
+        }
+        y[t * y_stride + n] = out;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: [T, K] float32 (row stride x_stride); w: [N / 8, K] uint32 (nibble j of w[b, k] = q[8 b + j, k]);
+// sz: [N / 8, K / 32, 2, 8] float32 (s, then z, for the block's 8 outputs); y: [T, N] float32 (row stride
+// y_stride). Returns 0, or -1 for shapes it does not take (N % 16, K % 32) or no memory for the scratch.
+int prefixserve_int4_gemm(const float* x, int64_t x_stride, const uint32_t* w, const float* sz, float* y,
+                          int64_t y_stride, int T, int N, int K) {
+    if (N % 16 != 0 || K % GROUP != 0 || T < 0) return -1;
+    const int G = K / GROUP;
+    float* xs = static_cast<float*>(std::malloc(sizeof(float) * static_cast<size_t>(std::max(1, T * G))));
+    if (xs == nullptr) return -1;
+    for (int t = 0; t < T; ++t)                              // each row's sum over each group
+        for (int g = 0; g < G; ++g) {
+            float sum = 0.f;
+            for (int k = g * GROUP; k < (g + 1) * GROUP; ++k) sum += x[t * x_stride + k];
+            xs[t * G + g] = sum;
+        }
+    const int pairs = N / 16;
+    #pragma omp parallel for schedule(static) if (static_cast<int64_t>(N) * K >= 65536)
+    for (int p = 0; p < pairs; ++p) {
+        const int b = 2 * p;
+#if defined(PREFIXSERVE_AVX2)
+        const uint32_t* w0 = w + static_cast<int64_t>(b) * K;
+        const uint32_t* w1 = w0 + K;
+        const float* sz0 = sz + static_cast<int64_t>(b) * G * 16;
+        const float* sz1 = sz0 + G * 16;
+        int t = 0;
+        for (; t + ROWS <= T; t += ROWS)
+            pass<ROWS>(x + t * x_stride, x_stride, xs + t * G, w0, w1, sz0, sz1, y + t * y_stride + 8 * b, y_stride, K);
+        switch (T - t) {
+            case 3: pass<3>(x + t * x_stride, x_stride, xs + t * G, w0, w1, sz0, sz1, y + t * y_stride + 8 * b, y_stride, K); break;
+            case 2: pass<2>(x + t * x_stride, x_stride, xs + t * G, w0, w1, sz0, sz1, y + t * y_stride + 8 * b, y_stride, K); break;
+            case 1: pass<1>(x + t * x_stride, x_stride, xs + t * G, w0, w1, sz0, sz1, y + t * y_stride + 8 * b, y_stride, K); break;
+            default: break;
+        }
+#else
+        for (int n = 8 * b; n < 8 * b + 16; ++n) generic(x, x_stride, xs, w, sz, y, y_stride, T, n, K);
+#endif
+    }
+    std::free(xs);
+    return 0;
+}
+
+// The loops this build runs: "avx2" or "generic".
+const char* prefixserve_int4_gemm_path() {
+#if defined(PREFIXSERVE_AVX2)
+    return "avx2";
+#else
+    return "generic";
+#endif
+}
+
+}  // extern "C"
