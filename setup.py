@@ -1,7 +1,7 @@
 """The build step pyproject.toml leaves to code: the C++ CPU kernels, compiled for every instruction-set variant
 (kernels/cpu/build.py) by `pip install` (wheel, sdist install and editable alike).
 
-Why setuptools' build_ext and not scikit-build-core / CMake or torch.utils.cpp_extension: the kernels are four
+Why setuptools' build_ext and not scikit-build-core / CMake or torch.utils.cpp_extension: the kernels are five
 plain C++ files with `extern "C"` entry points loaded through ctypes, with no Python or torch headers to find
 and no link against libtorch (what cpp_extension is for), and no dependencies to configure (what CMake is for).
 build_ext is the step pip already runs for every compiled package; declaring the libraries as one extension
