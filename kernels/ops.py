@@ -162,8 +162,8 @@ class Ops:
         and that GEMM is float32 (no oneDNN bfloat16 here: kernels/quant_gemm.py DENSE_DTYPE), so no bfloat16
         round trip costs passes over memory around every GEMM; bfloat16 otherwise (the int4 / int8 kernels
         take bfloat16; the C++ int4 GEMM, where it serves the narrow steps, float32)."""
-        if qg.DENSE_DTYPE == torch.float32 and not self.config.batch_invariant and \
-                (prefill or rows >= qg.DENSE_FROM_ROWS or self._int4 is not None):
+        if self._int4 is not None or (qg.DENSE_DTYPE == torch.float32 and not self.config.batch_invariant and
+                                      (prefill or rows >= qg.DENSE_FROM_ROWS)):
             return torch.float32
         return qg.ACT
 

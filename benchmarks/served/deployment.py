@@ -53,6 +53,15 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout: floa
         time.sleep(0.25)
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def metric(url: str, name: str) -> float:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():

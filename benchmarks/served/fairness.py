@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.common import add_common_args, command_line, new_figure, print_result, write_results
-from benchmarks.served.deployment import ROOT, free_port, wait_ready
+from benchmarks.served.deployment import ROOT, free_port, stop_process, wait_ready
 
 KEYS = {"A": "tenant-a-key", "B": "tenant-b-key"}
 
@@ -110,11 +110,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.served
                 rows.append(asyncio.run(round_(url, args, r)))
                 print(rows[-1], file=sys.stderr)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
     result = {k: round(statistics.median(row[k] for row in rows), 3) for k in rows[0]}
     table = (f"Server flags: `{args.server_args or '(defaults)'}`. Tenant A: a burst of {args.burst} cold "
              f"warm-ups (max_tokens 0, prompt_cache_key, ~{args.prompt_words} "

@@ -34,7 +34,7 @@ import aiohttp
 from tqdm import tqdm
 
 from benchmarks.common import add_common_args, command_line, new_figure, print_result, sse_events, write_results
-from benchmarks.served.deployment import ROOT, free_port, wait_ready
+from benchmarks.served.deployment import ROOT, free_port, stop_process, wait_ready
 
 KEYS = {"A": "tenant-a-key", "B": "tenant-b-key"}
 MODES = ("shared", "tenant")
@@ -67,11 +67,7 @@ class Server:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc, 30)
 
 
 async def complete(session: aiohttp.ClientSession, url: str, key: str, text: str, max_tokens: int) -> dict[str, Any]:

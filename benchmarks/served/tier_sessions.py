@@ -44,7 +44,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.common import sse_events
-from benchmarks.served.deployment import ROOT, free_port, metric, post, wait_ready
+from benchmarks.served.deployment import ROOT, free_port, metric, post, stop_process, wait_ready
 from benchmarks.served.peers.client import pct
 from benchmarks.served.peers.servers import peer_python, vllm_server
 
@@ -79,11 +79,7 @@ class Server:
         return metric(self.url, name)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
 
 
 async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -68,15 +68,15 @@ class Int4Linear(nn.Module):
         packed, scale_zero = pack_int4(q, scale, zero)
         self.register_buffer("packed", packed)
         self.register_buffer("scale_zero", scale_zero)
-        if dense is None:    # (q - 8) * scale + zero, with the kernel's bfloat16 scale and zero
-            s, z = scale.to(ACT).float(), zero.to(ACT).float()
+        s, z = scale.to(ACT).float(), zero.to(ACT).float()        # the kernels' bfloat16 scale and zero
+        if dense is None:    # (q - 8) * scale + zero
             dense = ((q.float() - 8).view(self.out_features, -1, GROUP) * s[..., None] + z[..., None]).view(q.shape)
         self.register_buffer("dense", pack_dense(dense))
         # the narrow steps' own int4 GEMM (kernels/cpu/int4_gemm.py) where wide steps are float32 GEMMs
         self.q8: torch.Tensor
         self.sz8: torch.Tensor
         if DENSE_DTYPE == torch.float32 and int4_gemm.fits(self.out_features, self.in_features):
-            q8, sz8 = int4_gemm.pack(q, scale.to(ACT).float(), zero.to(ACT).float())
+            q8, sz8 = int4_gemm.pack(q, s, z)
         else:
             q8, sz8 = torch.empty(0, dtype=torch.int32), torch.empty(0)
         self.register_buffer("q8", q8)
