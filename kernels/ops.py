@@ -41,12 +41,12 @@ import torch.nn.functional as F
 
 from kernels import quant_gemm as qg
 from kernels.cpu.build import variants
+from kernels.cpu.int4_gemm import Q8Head, fits
 from kernels.cpu.library import CpuKernels, KernelUnavailable, cpu_flags
 from kernels.cpu.library import load as load_cpu_kernels
 from kernels.cpu.logits import MAX_K
 from kernels.cpu_backend import INVARIANT_SPLIT_TOKENS
 
-WIDE_REFINE = 32                 # a wide step's int8 x int8 head: its top 32 logits recomputed exactly
 BF16_HEAD_REFINE = 16            # a bfloat16 head's rows are off by bfloat16 rounding only: its top 16
 
 
@@ -135,6 +135,11 @@ class Ops:
                                      f"int4 / int8 kernel below {qg.DENSE_FROM_ROWS} decode rows, else "
                                      f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} "
                                      f"({'oneDNN' if qg.ONEDNN else 'torch linear'})")
+            if not config.batch_invariant:
+                ops["output layer, wide steps"] = (
+                    "int8 x int8 (oneDNN), top 32 exact" if qg.ONEDNN and qg.VNNI & cpu_flags() else
+                    f"c++ int4 x int8 gemm ({self._int4.path}), top 64 exact" if self._int4 is not None else
+                    f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} GEMM of the quantized weight, top 16 exact")
         self.report = KernelReport(str(self.device), self.cpu.variant if self.cpu is not None else None, reason, ops,
                                    config.batch_invariant)
 
@@ -265,7 +270,7 @@ class Ops:
         if self.config.batch_invariant or rows < qg.DENSE_FROM_ROWS:
             logits, k = self.linear(head.coarse, x.to(self.step_act(rows, False)), prefill=False).float(), head.refine
         elif head.wide is not None:
-            logits, k = head.wide(xf), min(head.refine, WIDE_REFINE)
+            logits, k = head.wide(xf), min(head.refine, head.wide.refine)
         else:
             coarse = self.linear(head.coarse, x.to(self.step_act(rows, True)), prefill=True)
             logits, k = coarse.float(), min(head.refine, BF16_HEAD_REFINE)
@@ -275,9 +280,16 @@ class Ops:
         exact = torch.einsum("tkh,th->tk", head.weight[top].float(), xf)
         return logits.scatter_(1, top, exact)
 
-    def wide_head(self, weight: torch.Tensor) -> qg.Int8ActHead | None:
-        """The int8 x int8 head for wide steps, where oneDNN has it (never read in the batch-invariant mode)."""
-        return None if self.config.batch_invariant else qg.Int8ActHead.make(weight)
+    def wide_head(self, weight: torch.Tensor) -> qg.Int8ActHead | Q8Head | None:
+        """The coarse head of wide steps: oneDNN's int8 x int8 product where it has VNNI; where the dense GEMM is
+        float32 (AVX2), the C++ int4 x int8 one (kernels/cpu/int4_gemm.py Q8Head); None otherwise, and in the
+        batch-invariant mode (never read there)."""
+        if self.config.batch_invariant:
+            return None
+        head = qg.Int8ActHead.make(weight)
+        if head is None and self._int4 is not None and weight.device.type == "cpu" and fits(*weight.shape):
+            return Q8Head(self._int4, weight)
+        return head
 
     # -- logits reductions ------------------------------------------------------------------------------------------
     def row_stats(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

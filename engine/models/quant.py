@@ -89,13 +89,8 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None, ops: Ops | None = None) -> Int4Linear:
         """Round-to-nearest, asymmetric, min/max per group of 32 (as GGUF's Q4_1 quantizes)."""
-        out, inp = w.shape
-        g = w.float().reshape(out, inp // GROUP, GROUP)
-        lo, hi = g.amin(-1), g.amax(-1)
-        d = (hi - lo) / 15
-        safe = torch.where(d == 0, torch.ones_like(d), d)
-        q = torch.clamp(torch.round((g - lo[..., None]) / safe[..., None]), 0, 15).reshape(out, inp)
-        return cls(q.to(torch.int32), d, lo + 8 * d, bias, dense=w, ops=ops)
+        q, scale, zero = int4_gemm.quantize(w)
+        return cls(q, scale, zero, bias, dense=w, ops=ops)
 
 
 class Int8Linear(nn.Module):
@@ -127,7 +122,9 @@ class QuantLogits(nn.Module):
 
         steps of fewer than DENSE_FROM_ROWS rows   the quantized rows (int4 or int8, as the layers); top 64
         wider steps                                int8 weights x int8 activations (kernels/quant_gemm.py
-                                                   Int8ActHead); top 32 (without oneDNN's int8 kernel: the
+                                                   Int8ActHead, oneDNN with VNNI); where the dense GEMM is
+                                                   float32 (AVX2), int4 weights x int8 activations
+                                                   (kernels/cpu/int4_gemm.py Q8Head); top 32 (neither: the
                                                    dense GEMM; top 16)
         the batch-invariant mode                   the quantized rows at every row count; top 64
 

@@ -9,7 +9,9 @@
 // A row's result depends on that row only (the same order of operations for every batch).
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -78,6 +80,78 @@ void generic(const float* x, int64_t x_stride, const float* xs, const uint32_t* 
     }
 }
 
+
+// -- int4 weights x int8 activations (kernels/cpu/int4_gemm.py pack_u8, gemm_q8) ---------------------------------
+// Each row's activations are quantized per group of 32: a = max |x| / 127, h = round(x / a) in -127..127. The
+// weights are bytes q in 0..15, four of one output to a 32-bit lane ([N / 8, K / 4, 8, 4]), so one vpmaddubsw
+// (u8 q x s8 h) adds 32 products into 16-bit pairs: |q h + q' h'| <= 3,810, and a group's eight stay below 2^15
+// (no saturation, unlike oneDNN's u8 activations x s8 weights on AVX2). A group's integer sum is exact; then
+//
+//     y[t, n] += (s[n, g] a[t, g]) sum_{k in g} q[n, k] h[t, k]  +  z[n, g] sum_{k in g} x[t, k]      (float32)
+//
+// the same float operations, in the same order, for every row and batch (a row's result is its own).
+constexpr int Q8_ROWS = 3;       // rows a pass: 6 16-bit sums and 6 float accumulators, 2 weight vectors, 1 row
+
+#if defined(PREFIXSERVE_AVX2)
+template <int R>
+void q8_pass(const int8_t* xh, int64_t xq_stride, const float* xa, const float* xs, const uint8_t* w0,
+             const uint8_t* w1, const float* sz0, const float* sz1, float* y, int64_t y_stride, int K) {
+    const int G = K / GROUP;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 out[R][2];
+    for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) {
+        __m256i hs[R][2];
+        for (int r = 0; r < R; ++r) hs[r][0] = hs[r][1] = _mm256_setzero_si256();
+        const uint8_t* a0 = w0 + static_cast<int64_t>(g) * GROUP * 8;
+        const uint8_t* a1 = w1 + static_cast<int64_t>(g) * GROUP * 8;
+#pragma GCC unroll 1
+        for (int s = 0; s < 8; ++s) {    // not unrolled: g++ would compute all 8 products first and spill them
+            const __m256i wa = _mm256_load_si256(reinterpret_cast<const __m256i*>(a0 + 32 * s));
+            const __m256i wb = _mm256_load_si256(reinterpret_cast<const __m256i*>(a1 + 32 * s));
+            for (int r = 0; r < R; ++r) {
+                int32_t v;
+                std::memcpy(&v, xh + r * xq_stride + g * GROUP + 4 * s, 4);
+                const __m256i xv = _mm256_set1_epi32(v);
+                hs[r][0] = _mm256_add_epi16(hs[r][0], _mm256_maddubs_epi16(wa, xv));
+                hs[r][1] = _mm256_add_epi16(hs[r][1], _mm256_maddubs_epi16(wb, xv));
+            }
+        }
+        const __m256 s0 = _mm256_loadu_ps(sz0 + g * 16), z0 = _mm256_loadu_ps(sz0 + g * 16 + 8);
+        const __m256 s1 = _mm256_loadu_ps(sz1 + g * 16), z1 = _mm256_loadu_ps(sz1 + g * 16 + 8);
+        for (int r = 0; r < R; ++r) {
+            const __m256 av = _mm256_broadcast_ss(xa + r * G + g), sx = _mm256_broadcast_ss(xs + r * G + g);
+            const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(hs[r][0], ones));
+            const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(hs[r][1], ones));
+            out[r][0] = _mm256_fmadd_ps(z0, sx, _mm256_fmadd_ps(_mm256_mul_ps(s0, av), d0, out[r][0]));
+            out[r][1] = _mm256_fmadd_ps(z1, sx, _mm256_fmadd_ps(_mm256_mul_ps(s1, av), d1, out[r][1]));
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(y + r * y_stride, out[r][0]);
+        _mm256_storeu_ps(y + r * y_stride + 8, out[r][1]);
+    }
+}
+#endif
+
+// The same sums one output at a time (builds without AVX2): the integer sums exactly, the float steps alike.
+void q8_generic(const int8_t* xh, int64_t xq_stride, const float* xa, const float* xs, const uint8_t* w,
+                const float* sz, float* y, int64_t y_stride, int T, int n, int K) {
+    const int G = K / GROUP, b = n / 8, j = n % 8;
+    const uint8_t* wb = w + static_cast<int64_t>(b) * K * 8;
+    for (int t = 0; t < T; ++t) {
+        float out = 0.f;
+        for (int g = 0; g < G; ++g) {
+            int32_t h = 0;
+            for (int k = g * GROUP; k < (g + 1) * GROUP; ++k)
+                h += static_cast<int32_t>(wb[(k / 4) * 32 + 4 * j + k % 4]) * xh[t * xq_stride + k];
+            const float* s = sz + (static_cast<int64_t>(b) * G + g) * 16;
+            out = std::fma(s[8 + j], xs[t * G + g], std::fma(s[j] * xa[t * G + g], static_cast<float>(h), out));
+        }
+        y[t * y_stride + n] = out;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -120,6 +194,55 @@ int prefixserve_int4_gemm(const float* x, int64_t x_stride, const uint32_t* w, c
 #endif
     }
     std::free(xs);
+    return 0;
+}
+
+// x: [T, K] float32 (row stride x_stride); w: [N / 8, K / 4, 8, 4] bytes q in 0..15 (32-byte aligned); sz as
+// prefixserve_int4_gemm's; y: [T, N] float32 (row stride y_stride). Returns 0, or -1 for shapes it does not take
+// (N % 16, K % 32) or no memory for the scratch.
+int prefixserve_int4_gemm_q8(const float* x, int64_t x_stride, const uint8_t* w, const float* sz, float* y,
+                             int64_t y_stride, int T, int N, int K) {
+    if (N % 16 != 0 || K % GROUP != 0 || T < 0) return -1;
+    if (T == 0) return 0;
+    const int G = K / GROUP;
+    const int64_t xq_stride = K;
+    int8_t* xh = static_cast<int8_t*>(std::malloc(static_cast<size_t>(T) * K));
+    float* xa = static_cast<float*>(std::malloc(sizeof(float) * static_cast<size_t>(T) * G * 2));
+    if (xh == nullptr || xa == nullptr) { std::free(xh); std::free(xa); return -1; }
+    float* xs = xa + static_cast<int64_t>(T) * G;
+    #pragma omp parallel for schedule(static) if (static_cast<int64_t>(T) * K >= 65536)
+    for (int t = 0; t < T; ++t)                              // each row's groups: scale, bytes, float sum
+        for (int g = 0; g < G; ++g) {
+            const float* xr = x + t * x_stride + g * GROUP;
+            float mx = 0.f, sum = 0.f;
+            for (int k = 0; k < GROUP; ++k) { mx = std::max(mx, std::fabs(xr[k])); sum += xr[k]; }
+            const float inv = mx > 0.f ? 127.f / mx : 0.f;
+            for (int k = 0; k < GROUP; ++k) xh[t * xq_stride + g * GROUP + k] = static_cast<int8_t>(std::nearbyint(xr[k] * inv));
+            xa[t * G + g] = mx / 127.f;
+            xs[t * G + g] = sum;
+        }
+    const int pairs = N / 16;
+    #pragma omp parallel for schedule(static) if (static_cast<int64_t>(N) * K * T >= 262144)
+    for (int p = 0; p < pairs; ++p) {
+        const int b = 2 * p;
+#if defined(PREFIXSERVE_AVX2)
+        const uint8_t* w0 = w + static_cast<int64_t>(b) * K * 8;
+        const uint8_t* w1 = w0 + static_cast<int64_t>(K) * 8;
+        const float* sz0 = sz + static_cast<int64_t>(b) * G * 16;
+        const float* sz1 = sz0 + G * 16;
+        int t = 0;
+        for (; t + Q8_ROWS <= T; t += Q8_ROWS)
+            q8_pass<Q8_ROWS>(xh + t * xq_stride, xq_stride, xa + t * G, xs + t * G, w0, w1, sz0, sz1, y + t * y_stride + 8 * b,
+                             y_stride, K);
+        for (; t < T; ++t)
+            q8_pass<1>(xh + t * xq_stride, xq_stride, xa + t * G, xs + t * G, w0, w1, sz0, sz1, y + t * y_stride + 8 * b,
+                       y_stride, K);
+#else
+        for (int n = 8 * b; n < 8 * b + 16; ++n) q8_generic(xh, xq_stride, xa, xs, w, sz, y, y_stride, T, n, K);
+#endif
+    }
+    std::free(xh);
+    std::free(xa);
     return 0;
 }
 

@@ -146,11 +146,13 @@ def test_int4_greedy_answers_agree_with_transformers(real_model_path: Path, refe
 
 def test_int8_head_of_wide_steps_picks_the_exact_argmax(real_model_path: Path, real_llm: LLM) -> None:
     """The agreement criterion of QuantLogits' wide path (engine/models/quant.py): int8 weights times int8
-    activations give coarse logits (off by up to a few units), the top 32 are recomputed in float32. On the
-    model's real hidden states (chat prompts and random tokens, prefill and decode rows) the exact argmax
-    ranks within the coarse top 8 (measured: within the top 7 of 1,340 rows), so every row's greedy
-    choice is the float32 head's, and the refined logits are the float32 head's within rounding. Where the
-    int8 head is not used (no VNNI: oneDNN's AVX2 int8 product saturates), the same holds of the dense head."""
+    activations (oneDNN, VNNI) give coarse logits (off by up to a few units), the top 32 are recomputed in
+    float32. On the model's real hidden states (chat prompts and random tokens, prefill and decode rows) the
+    exact argmax ranks within the coarse top 8 (measured: within the top 7 of 1,340 rows), so every row's
+    greedy choice is the float32 head's, and the refined logits are the float32 head's within rounding. On AVX2
+    (no VNNI: oneDNN's int8 product saturates) the C++ int4 x int8 head serves (kernels/cpu/int4_gemm.py Q8Head,
+    its top 64 recomputed; measured: the argmax within its top 4 of 144 rows, the float32 top 8 within its
+    top 34); without the C++ kernels, the dense head."""
     from engine.models.quant import DENSE_FROM_ROWS, Int4Linear, QuantLogits
 
     rows: list[torch.Tensor] = []
@@ -169,7 +171,7 @@ def test_int8_head_of_wide_steps_picks_the_exact_argmax(real_model_path: Path, r
     head = QuantLogits(w, "int4")
     exact = x.float() @ w.float().T
     best = exact.argmax(-1)
-    if head.wide is not None:       # oneDNN's int8 linear with VNNI; without, the dense head (exact) serves
+    if head.wide is not None:       # oneDNN's int8 linear (VNNI) or the C++ int4 x int8 GEMM (AVX2)
         assert isinstance(head.coarse, Int4Linear) and head.coarse.dense.numel() == 0    # no dense copy kept
         coarse = head.wide(x.float())
         rank = (coarse > coarse.gather(1, best[:, None])).sum(-1)

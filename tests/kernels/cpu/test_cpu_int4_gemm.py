@@ -1,7 +1,8 @@
 """The narrow steps' int4 GEMM (kernels/cpu/int4_gemm.cpp) against x @ W^T with W dequantized in float64, with
-every build this CPU runs; and the quantized model on it against torch's int4 kernel.
+every build this CPU runs; and the quantized model on it against torch's int4 kernel. The same for the int4 x int8
+GEMM of the coarse head (gemm_q8), against the product of the rows rounded as it rounds them.
 
-Agreement criterion (kernels/cpu/int4_gemm.py): within float32 rounding of the dequantized product (relative
+Agreement criteria (kernels/cpu/int4_gemm.py): within float32 rounding of the dequantized product (relative
 1e-5 of the row's largest output); a row's result bit for bit the same whatever rows share its call.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from kernels.cpu import int4_gemm
-from kernels.cpu.library import CpuKernels
+from kernels.cpu.library import CpuKernels, load, runnable_variants
 
 
 def weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,3 +54,56 @@ def test_int4_gemm_refuses_shapes_it_does_not_take(variant: CpuKernels) -> None:
     w = torch.zeros(3, 64, dtype=torch.int32)                  # 24 outputs: not a multiple of 16
     with pytest.raises(ValueError):
         variant.int4.gemm(torch.zeros(2, 64), w, torch.zeros(3, 2, 2, 8))
+
+
+def q8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """gemm_q8's sums in float64: each group of 32 of a row rounded to a multiple of its max |x| / 127 for the
+    products with q * scale, the group's exact sum for its offset zero - 8 scale."""
+    t, k = x.shape
+    g = x.double().view(t, -1, 32)
+    step = g.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(g / torch.where(step == 0, 1.0, step)) * step).view(t, k)
+    wq = (q.double().view(q.shape[0], -1, 32) * scale.double()[..., None]).view(q.shape)
+    return xq @ wq.T + g.sum(-1) @ (zero.double() - 8 * scale.double()).T
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 64])
+@pytest.mark.parametrize("shape", [(16, 32), (960, 576), (576, 1536)])
+def test_int8_activation_gemm_equals_the_product_of_the_rounded_rows(variant: CpuKernels, rows: int,
+                                                                     shape: tuple[int, int]) -> None:
+    n, k = shape
+    q, scale, zero, dense = weights(n, k, seed=n + rows)
+    wu, sz = int4_gemm.pack_u8(q), int4_gemm.pack_sz(scale, zero)
+    x = (torch.randn(rows, k + 24) * 2)[:, 8:8 + k]            # a row stride wider than the row
+    x[0, :32] = 0.0                                            # a group of zeros: no scale to divide by
+    x[-1, k - 5] = 300.0                                       # an outlier: its group's step grows, others' not
+    y = variant.int4.gemm_q8(x, wu, sz)
+    want = q8_reference(x, q, scale, zero)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    assert ((y.double() - want).abs().amax(dim=1) <= 1e-5 * want.abs().amax(dim=1)).all()
+    # against the unrounded product: off by at most half a step of each group a weight (the int8 rounding, no more)
+    half = (x.double().view(rows, -1, 32).abs().amax(-1) / 254).repeat_interleave(32, dim=1)
+    wq = (q.double().view(n, -1, 32) * scale.double()[..., None]).view(n, k)
+    assert ((y.double() - x.double() @ dense.T).abs() <= half @ wq.abs().T + 1e-4).all()
+    for t in range(rows):                                       # a row alone gives the same bits
+        assert torch.equal(variant.int4.gemm_q8(x[t:t + 1], wu, sz)[0], y[t])
+
+
+def test_int8_activation_gemm_gives_the_same_bits_in_every_build() -> None:
+    """The vector loops and the portable ones: the same integer sums, the same float steps in the same order."""
+    variants = runnable_variants()
+    if len(variants) < 2:
+        pytest.skip(f"one build runs here ({variants})")
+    q, scale, zero, _ = weights(64, 96, seed=3)
+    wu, sz = int4_gemm.pack_u8(q), int4_gemm.pack_sz(scale, zero)
+    x = torch.randn(7, 96) * 3
+    ys = [load(v).int4.gemm_q8(x, wu, sz) for v in variants]
+    assert all(torch.equal(y, ys[0]) for y in ys[1:])
+
+
+def test_pack_u8_puts_four_weights_of_one_output_in_a_lane() -> None:
+    q, _, _, _ = weights(16, 64, seed=2)
+    wu = int4_gemm.pack_u8(q)
+    assert wu.shape == (2, 16, 8, 4) and wu.dtype == torch.uint8
+    for n, k in ((0, 0), (9, 5), (15, 63), (3, 37)):
+        assert int(wu[n // 8, k // 4, n % 8, k % 4]) == int(q[n, k])
