@@ -16,6 +16,7 @@ import logging
 import sys
 
 from engine.config import EngineConfig
+from kernels import hugepages
 from service import flags
 from service.config import ServiceConfig
 
@@ -113,7 +114,10 @@ def _bench(argv: list[str]) -> int:
     return int(bench_main(argv) or 0)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, reexec: bool | None = None) -> None:
+    """The command line (`argv`, default sys.argv[1:]). `reexec` (default: when argv is the process's own): a valid
+    serve / generate re-executes the process with glibc's huge pages first (kernels/hugepages.py)."""
+    reexec = argv is None if reexec is None else reexec
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         raise SystemExit(_bench(argv[1:]))
@@ -125,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
             EngineConfig(**flags.values(args, EngineConfig))
     except ValueError as exc:  # a config that does not validate
         raise SystemExit(f"prefixserve: {exc}") from None
+    if reexec:
+        hugepages.maybe_reexec()
     if args.command == "serve":
         try:
             serve(config)

@@ -9,6 +9,7 @@
     triton_backend                      GPU: the Triton launchers behind the same protocols, both layouts
     paged_decode, paged_prefill, kv_write, block_copy     the Triton kernels (kernel + launcher each)
     metadata                            AttentionMetadata: the flattened batch every backend reads
+    hugepages                           the serving process re-executed with glibc's transparent huge pages
 
 No engine imports: the engine calls in, never the reverse. Which kernels read which cache is the KV
 backend's choice (engine/kv/backends/<name>/__init__.py), not this package's. Importing this package

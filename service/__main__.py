@@ -7,4 +7,4 @@ import sys
 from cli import main
 
 args = sys.argv[1:]
-main(args if args[:1] in (["serve"], ["generate"], ["-h"], ["--help"]) else ["serve", *args])
+main(args if args[:1] in (["serve"], ["generate"], ["-h"], ["--help"]) else ["serve", *args], reexec=True)
