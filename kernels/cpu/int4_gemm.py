@@ -20,6 +20,7 @@ a weight); a row's result depends on that row only, and every build gives the sa
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -80,31 +81,26 @@ class Int4Gemm:
         self.path: str = lib.prefixserve_int4_gemm_path().decode()      # the loops it runs: avx2, generic
 
     def gemm(self, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-        assert x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 and x.device.type == "cpu"
         nb, k = w.shape
-        assert w.dtype == torch.int32 and w.is_contiguous() and x.shape[1] == k
-        assert sz.dtype == torch.float32 and sz.is_contiguous() and sz.shape == (nb, k // GROUP, 2, 8)
-        y = torch.empty(x.shape[0], 8 * nb)
-        rc = self._lib.prefixserve_int4_gemm(x.data_ptr(), x.stride(0), w.data_ptr(), sz.data_ptr(), y.data_ptr(),
-                                             y.stride(0), x.shape[0], 8 * nb, k)
-        if rc != 0:
-            raise ValueError(f"int4_gemm: shapes not taken ({tuple(x.shape)} x {8 * nb}) or no memory")
-        return y
+        assert w.dtype == torch.int32 and w.is_contiguous()
+        return self._call(self._lib.prefixserve_int4_gemm, "int4_gemm", x, w, sz, nb, k)
 
     def gemm_q8(self, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         """x [T, K] float32 @ W^T with x quantized to int8 per group of 32 of a row, W as pack_u8 (weights) and
         pack (sz) made it -> [T, N] float32."""
+        assert w.dtype == torch.uint8 and w.is_contiguous() and w.shape[2:] == (8, 4) and w.data_ptr() % 32 == 0
+        return self._call(self._lib.prefixserve_int4_gemm_q8, "int4_gemm_q8", x, w, sz, w.shape[0], 4 * w.shape[1])
+
+    @staticmethod
+    def _call(fn: Any, name: str, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, nb: int, k: int) -> torch.Tensor:
+        """y [T, 8 nb] float32 from one of the two kernels (the same arguments: x, its row stride, w, sz, y, ...)."""
         assert x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 and x.device.type == "cpu"
-        nb, k4 = w.shape[:2]
-        k = 4 * k4
-        assert w.dtype == torch.uint8 and w.is_contiguous() and w.shape[2:] == (8, 4) and x.shape[1] == k
-        assert w.data_ptr() % 32 == 0 and sz.dtype == torch.float32 and sz.is_contiguous()
+        assert x.shape[1] == k and sz.dtype == torch.float32 and sz.is_contiguous()
         assert sz.shape == (nb, k // GROUP, 2, 8)
         y = torch.empty(x.shape[0], 8 * nb)
-        rc = self._lib.prefixserve_int4_gemm_q8(x.data_ptr(), x.stride(0), w.data_ptr(), sz.data_ptr(), y.data_ptr(),
-                                                y.stride(0), x.shape[0], 8 * nb, k)
-        if rc != 0:
-            raise ValueError(f"int4_gemm_q8: shapes not taken ({tuple(x.shape)} x {8 * nb}) or no memory")
+        if fn(x.data_ptr(), x.stride(0), w.data_ptr(), sz.data_ptr(), y.data_ptr(), y.stride(0), x.shape[0], 8 * nb,
+              k) != 0:
+            raise ValueError(f"{name}: shapes not taken ({tuple(x.shape)} x {8 * nb}) or no memory")
         return y
 
 
