@@ -115,24 +115,42 @@ inline void store8(uint16_t* y, __m256 v) { _mm_storeu_si128(reinterpret_cast<__
 inline void store8(float* y, __m256 v) { _mm256_storeu_ps(y, v); }
 #endif
 
+inline float from_float(float x, float) { return x; }
+inline uint16_t from_float(float x, uint16_t) { return float_to_bf16(x); }
+
+#if defined(PREFIXSERVE_AVX2)
+// One row of silu_mul on AVX2, float32 or bfloat16 activations (A): 8 at a time, the exp in registers.
+template <typename A>
+inline void silu_mul_row_avx2(const A* g, const A* u, A* yr, int I) {
+    int i = 0;
+    for (; i + 8 <= I; i += 8) {
+        const __m256 a = load8(g + i);
+        const __m256 e = prefixserve_simd::exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
+        store8(yr + i, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e)), load8(u + i)));
+    }
+    for (; i < I; ++i) {
+        const float a = to_float(g[i]);
+        yr[i] = from_float(a / (1.f + std::exp(-a)) * to_float(u[i]), A{});
+    }
+}
+#endif
+
 // One row of silu_mul, float32 activations (the bfloat16 row has its own loops below).
 inline void silu_mul_row(const float* g, const float* u, float* yr, int I) {
-    int i = 0;
 #if defined(PREFIXSERVE_BF16)
+    int i = 0;
     for (; i + 16 <= I; i += 16) {
         const __m512 a = _mm512_loadu_ps(g + i);
         const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
         _mm512_storeu_ps(yr + i, _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
                                                  _mm512_loadu_ps(u + i)));
     }
-#elif defined(PREFIXSERVE_AVX2)
-    for (; i + 8 <= I; i += 8) {
-        const __m256 a = _mm256_loadu_ps(g + i);
-        const __m256 e = prefixserve_simd::exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
-        store8(yr + i, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e)), _mm256_loadu_ps(u + i)));
-    }
-#endif
     for (; i < I; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+#elif defined(PREFIXSERVE_AVX2)
+    silu_mul_row_avx2(g, u, yr, I);
+#else
+    for (int i = 0; i < I; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+#endif
 }
 
 }  // namespace
@@ -187,17 +205,7 @@ void prefixserve_silu_mul(const void* gu_, int64_t gu_stride, void* y_, int64_t 
             _mm256_mask_storeu_epi16(yr + i, m, bits);
         }
 #elif defined(PREFIXSERVE_AVX2)
-        int i = 0;
-        for (; i + 8 <= I; i += 8) {                       // 8 at a time, the exp in registers
-            const __m256 a = load8(g + i);
-            const __m256 e = prefixserve_simd::exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
-            const __m256 out = _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e)), load8(u + i));
-            store8(yr + i, out);
-        }
-        for (; i < I; ++i) {
-            const float a = bf16_to_float(g[i]);
-            yr[i] = float_to_bf16(a / (1.f + std::exp(-a)) * bf16_to_float(u[i]));
-        }
+        silu_mul_row_avx2(g, u, yr, I);
 #else
         #pragma omp simd
         for (int i = 0; i < I; ++i) {                      // vectorized expf (libmvec: -fno-math-errno)
