@@ -136,10 +136,13 @@ class Ops:
                                      f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} "
                                      f"({'oneDNN' if qg.ONEDNN else 'torch linear'})")
             if not config.batch_invariant:
-                ops["output layer, wide steps"] = (
-                    "int8 x int8 (oneDNN), top 32 exact" if qg.ONEDNN and qg.VNNI & cpu_flags() else
-                    f"c++ int4 x int8 gemm ({self._int4.path}), top 64 exact" if self._int4 is not None else
-                    f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} GEMM of the quantized weight, top 16 exact")
+                if qg.ONEDNN and qg.VNNI & cpu_flags():
+                    head = f"int8 x int8 (oneDNN), top {qg.Int8ActHead.refine} exact"
+                elif self._int4 is not None:
+                    head = f"c++ int4 x int8 gemm ({self._int4.path}), top {Q8Head.refine} exact"
+                else:
+                    head = f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} GEMM, top {BF16_HEAD_REFINE} exact"
+                ops["output layer, wide steps"] = head
         self.report = KernelReport(str(self.device), self.cpu.variant if self.cpu is not None else None, reason, ops,
                                    config.batch_invariant)
 

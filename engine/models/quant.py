@@ -122,9 +122,9 @@ class QuantLogits(nn.Module):
 
         steps of fewer than DENSE_FROM_ROWS rows   the quantized rows (int4 or int8, as the layers); top 64
         wider steps                                int8 weights x int8 activations (kernels/quant_gemm.py
-                                                   Int8ActHead, oneDNN with VNNI); where the dense GEMM is
-                                                   float32 (AVX2), int4 weights x int8 activations
-                                                   (kernels/cpu/int4_gemm.py Q8Head); top 32 (neither: the
+                                                   Int8ActHead, oneDNN with VNNI); top 32; where the dense
+                                                   GEMM is float32 (AVX2), int4 weights x int8 activations
+                                                   (kernels/cpu/int4_gemm.py Q8Head); top 64 (neither: the
                                                    dense GEMM; top 16)
         the batch-invariant mode                   the quantized rows at every row count; top 64
 
