@@ -11,6 +11,7 @@
 // partial results (max, sum, unnormalized accumulator) per (member, head); a second pass merges each
 // sequence's partials; an empty one (max = -inf) weighs nothing.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -258,43 +259,61 @@ using prefixserve_simd::hmax256;
 using prefixserve_simd::hsum256;
 using prefixserve_simd::transpose8;
 
-// K rows k[0..m) (m <= 8, one pointer a token), transposed to float32: kt[d * 8 + j] = k[j][d], zero past m.
+// 16 dimensions of a K or V row as two float32 vectors, in the order the AVX2 loops keep queries and
+// accumulators in (`slot`): a bfloat16 row's 256-bit load splits into its even dimensions (each 32-bit word's
+// low half, shifted up) and its odd ones (the high half, masked), with no shuffle; float32 is two loads, dims
+// 0-7 then 8-15.
+inline void load_pair(const uint16_t* p, __m256& a, __m256& b) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void load_pair(const float* p, __m256& a, __m256& b) {
+    a = _mm256_loadu_ps(p);
+    b = _mm256_loadu_ps(p + 8);
+}
+
+// Where dimension d of 16 sits in that order: bfloat16 [0, 2, .., 14, 1, 3, .., 15], float32 as it is.
 template <typename KV>
-inline void transpose_k8(const KV* const* k, int m, int D, float* kt) {
-    for (int d0 = 0; d0 < D; d0 += 8) {
-        __m256 r[8];
-        for (int j = 0; j < 8; ++j) r[j] = j < m ? load8(k[j] + d0) : _mm256_setzero_ps();
-        transpose8(r);
-        for (int x = 0; x < 8; ++x) _mm256_store_ps(kt + (d0 + x) * 8, r[x]);
-    }
+constexpr int slot(int d) { return sizeof(KV) == 2 ? (d % 2 ? 8 + d / 2 : d / 2) : d; }
+
+// v[j]'s lane sum in lane j, eight vectors at once.
+inline __m256 hsum8(const float* v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_load_ps(v), _mm256_load_ps(v + 8));
+    const __m256 b = _mm256_hadd_ps(_mm256_load_ps(v + 16), _mm256_load_ps(v + 24));
+    const __m256 c = _mm256_hadd_ps(_mm256_load_ps(v + 32), _mm256_load_ps(v + 40));
+    const __m256 d = _mm256_hadd_ps(_mm256_load_ps(v + 48), _mm256_load_ps(v + 56));
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);      // low halves' sums | high halves'
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-// Scores of T rows for C chunks of 8 tokens (as scores_tile, 8 lanes): T * C independent sums.
-template <int T, int C>
-inline void scores_tile8(const float* const* q, const float* kt, int D, float* sc, int sc_stride) {
-    __m256 s[T][C];
-    for (int t = 0; t < T; ++t)
-        for (int c = 0; c < C; ++c) s[t][c] = _mm256_setzero_ps();
-    for (int d = 0; d < D; ++d) {
-        __m256 k[C];
-        for (int c = 0; c < C; ++c) k[c] = _mm256_load_ps(kt + (c * D + d) * 8);
-        for (int t = 0; t < T; ++t) {
-            const __m256 qv = _mm256_broadcast_ss(q[t] + d);
-            for (int c = 0; c < C; ++c) s[t][c] = _mm256_fmadd_ps(qv, k[c], s[t][c]);
+// Scores of T rows (q in `slot` order) for tokens [0, n): each K row is loaded and widened once for the T rows,
+// which multiply it with their queries as memory operands into two partial-sum vectors a row; the vectors are
+// stored (part[(t * TILE + j) * 8], TILE >= n) and eight tokens' reduce into one vector of their scores.
+template <typename KV, int T, int TILE>
+inline void scores_dot(const float* const* q, const KV* const* krow, int n, int D, float* part, float* sc,
+                       int sc_stride) {
+    for (int j = 0; j < n; ++j) {
+        __m256 acc[T][2];
+        for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        for (int c = 0; c < D; c += 16) {
+            __m256 a, b;
+            load_pair(krow[j] + c, a, b);
+            for (int t = 0; t < T; ++t) {
+                acc[t][0] = _mm256_fmadd_ps(a, _mm256_loadu_ps(q[t] + c), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(b, _mm256_loadu_ps(q[t] + c + 8), acc[t][1]);
+            }
         }
+        for (int t = 0; t < T; ++t) _mm256_store_ps(part + (t * TILE + j) * 8, _mm256_add_ps(acc[t][0], acc[t][1]));
     }
+    for (int j = n; j % 8; ++j)
+        for (int t = 0; t < T; ++t) _mm256_store_ps(part + (t * TILE + j) * 8, _mm256_setzero_ps());
     for (int t = 0; t < T; ++t)
-        for (int c = 0; c < C; ++c) _mm256_store_ps(sc + t * sc_stride + c * 8, s[t][c]);
+        for (int j0 = 0; j0 < n; j0 += 8) _mm256_store_ps(sc + t * sc_stride + j0, hsum8(part + (t * TILE + j0) * 8));
 }
 
-template <int T>
-inline void scores_rows8(const float* const* q, const float* kt, int D, int chunks, float* sc, int sc_stride) {
-    int c = 0;
-    for (; c + 2 <= chunks; c += 2) scores_tile8<T, 2>(q, kt + c * D * 8, D, sc + c * 8, sc_stride);
-    if (c < chunks) scores_tile8<T, 1>(q, kt + c * D * 8, D, sc + c * 8, sc_stride);
-}
-
-// acc_x = alpha_x acc_x + sum_j p_x[j] V[j] for T rows, 16 dimensions at a time in registers (8 of the 16).
+// acc_x = alpha_x acc_x + sum_j p_x[j] V[j] for T rows, 16 dimensions at a time in registers (8 of the 16), in
+// `slot` order.
 template <typename KV, int T>
 inline void values_tile8(float* const* st, const float* alpha, const float* p, int p_stride, const KV* const* vrow,
                          int n, int D) {
@@ -306,7 +325,8 @@ inline void values_tile8(float* const* st, const float* alpha, const float* p, i
             acc[t][1] = _mm256_mul_ps(a, _mm256_loadu_ps(st[t] + 2 + v0 + 8));
         }
         for (int j = 0; j < n; ++j) {
-            const __m256 lo = load8(vrow[j] + v0), hi = load8(vrow[j] + v0 + 8);
+            __m256 lo, hi;
+            load_pair(vrow[j] + v0, lo, hi);
             for (int t = 0; t < T; ++t) {
                 const __m256 w = _mm256_broadcast_ss(p + t * p_stride + j);
                 acc[t][0] = _mm256_fmadd_ps(w, lo, acc[t][0]);
@@ -320,21 +340,22 @@ inline void values_tile8(float* const* st, const float* alpha, const float* p, i
     }
 }
 
-// A tile of up to TILE tokens of one KV head, for every row (tile_avx512's steps on 8 lanes).
-template <typename KV>
-void tile_avx2(const Rows& r, const KV* const* krow, const KV* const* vrow, int n, int D, float* kt, float* sc,
+// A tile of up to TILE tokens of one KV head, for every row: scores four rows at a time (row by row, no K
+// transpose), one online-softmax update per row for the whole tile, then the V rows into register accumulators.
+// Queries and accumulators are in `slot` order (run_item puts them in and takes them out).
+template <typename KV, int TILE>
+void tile_avx2(const Rows& r, const KV* const* krow, const KV* const* vrow, int n, int D, float* part, float* sc,
                int sc_stride) {
     const int chunks = (n + 7) / 8;
-    for (int c = 0; c < chunks; ++c) transpose_k8(krow + 8 * c, std::min(8, n - 8 * c), D, kt + c * D * 8);
-    float alpha[MAX_MEMBERS * MAX_GROUP];
-    int x = 0;
-    for (; x + 4 <= r.n; x += 4) scores_rows8<4>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride);
-    switch (r.n - x) {
-        case 3: scores_rows8<3>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride); break;
-        case 2: scores_rows8<2>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride); break;
-        case 1: scores_rows8<1>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride); break;
-        default: break;
+    for (int x = 0; x < r.n; x += 4) {
+        switch (std::min(4, r.n - x)) {
+            case 4: scores_dot<KV, 4, TILE>(r.q + x, krow, n, D, part, sc + x * sc_stride, sc_stride); break;
+            case 3: scores_dot<KV, 3, TILE>(r.q + x, krow, n, D, part, sc + x * sc_stride, sc_stride); break;
+            case 2: scores_dot<KV, 2, TILE>(r.q + x, krow, n, D, part, sc + x * sc_stride, sc_stride); break;
+            default: scores_dot<KV, 1, TILE>(r.q + x, krow, n, D, part, sc + x * sc_stride, sc_stride); break;
+        }
     }
+    float alpha[MAX_MEMBERS * MAX_GROUP];
     const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
     for (int x = 0; x < r.n; ++x) {
         float* s = sc + x * sc_stride;
@@ -367,6 +388,46 @@ void tile_avx2(const Rows& r, const KV* const* krow, const KV* const* vrow, int 
 
 constexpr int TILE = 64;
 
+// Where tokens t..t + m of a table start in the caches (every KV head of a token follows from there).
+inline void rows_at(const Args& a, const int32_t* table, int t, int m, int64_t* kb, int64_t* vb) {
+    int bi = t / a.B, off = t % a.B;
+    for (int j = 0; j < m; ++j) {
+        const int64_t blk = table[bi];
+        kb[j] = blk * a.kc_blk + off * a.kc_tok;
+        vb[j] = blk * a.vc_blk + off * a.vc_tok;
+        if (++off == a.B) { off = 0; ++bi; }
+    }
+}
+
+// Those rows' K and V, every KV head, read once (a byte a cache line) a tile ahead of their use (run_item, and
+// decode for an item's first tile), so that the reads of a cache far larger than L3 overlap the arithmetic.
+// Plain loads, not prefetch instructions: paged_decode.py has the measurements.
+template <typename KV>
+void touch_rows(const Args& a, const int64_t* kb, const int64_t* vb, int m) {
+    const int64_t kbytes = ((a.Hkv - 1) * a.kc_head + a.D) * static_cast<int64_t>(sizeof(KV));
+    const int64_t vbytes = ((a.Hkv - 1) * a.vc_head + a.D) * static_cast<int64_t>(sizeof(KV));
+    const unsigned char* kc = static_cast<const unsigned char*>(a.kc);
+    const unsigned char* vc = static_cast<const unsigned char*>(a.vc);
+    unsigned sum = 0;
+    for (int j = 0; j < m; ++j) {
+        const unsigned char* k = kc + kb[j] * static_cast<int64_t>(sizeof(KV));
+        const unsigned char* v = vc + vb[j] * static_cast<int64_t>(sizeof(KV));
+        for (int64_t x = 0; x < kbytes; x += 64) sum += k[x];
+        for (int64_t x = 0; x < vbytes; x += 64) sum += v[x];
+    }
+    asm volatile("" : : "r"(sum));                            // the loads are the point: keep them
+}
+
+// An item's first tile (decode runs it a step ahead of the item).
+template <typename KV>
+void touch_item(const Args& a, const int32_t* item, const int32_t* members) {
+    const int s0 = members[item[0]], t = item[2] * a.B, m = std::min(TILE, std::min(item[3] * a.B, a.lens[s0]) - t);
+    if (m <= 0) return;
+    int64_t kb[TILE], vb[TILE];
+    rows_at(a, a.bt + static_cast<int64_t>(s0) * a.bt_stride, t, m, kb, vb);
+    touch_rows<KV>(a, kb, vb, m);
+}
+
 // One item: blocks [b0, b1) of members[0]'s table, attended by every member's queries. Writes, per member i
 // and head, part[(i * H + head) * (D + 2) + {0, 1, 2..}] = max, sum, unnormalized accumulator. Tile by
 // tile (TILE tokens, whatever the block size), KV head after KV head: a tile's K and V rows are read once
@@ -376,15 +437,20 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
     const int H = a.H, G = a.H / a.Hkv, D = a.D, B = a.B, PS = a.D + 2;
     const int s0 = members[0], L = a.lens[s0];
     thread_local std::vector<float> qbuf, sbuf, kbuf;        // the scaled queries; scores; a transposed K tile
+                                                            // (AVX2: the scores' partial sums)
     qbuf.resize(static_cast<size_t>(nmem) * H * D);
     sbuf.resize(static_cast<size_t>(nmem) * G * TILE + 16);
-    kbuf.resize(static_cast<size_t>(TILE) * D + 16);
+    kbuf.resize(static_cast<size_t>(TILE) * std::max(D, 32) + 16);
     float* qs = qbuf.data();
     float* sc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf.data()) + 63) & ~uintptr_t{63});
     float* kt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(kbuf.data()) + 63) & ~uintptr_t{63});
     for (int i = 0; i < nmem; ++i) {
         const float* qp = a.q + static_cast<int64_t>(members[i]) * H * D;
+#if defined(PREFIXSERVE_AVX2)
+        for (int x = 0; x < H * D; ++x) qs[i * H * D + x - x % 16 + slot<KV>(x % 16)] = qp[x] * a.scale;
+#else
         for (int x = 0; x < H * D; ++x) qs[i * H * D + x] = qp[x] * a.scale;
+#endif
     }
     for (int i = 0; i < nmem * H; ++i) {
         part[i * PS] = -INFINITY;
@@ -395,31 +461,44 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
     const KV* vc = static_cast<const KV*>(a.vc);
     const int32_t* table = a.bt + static_cast<int64_t>(s0) * a.bt_stride;
     const int end = std::min(b1 * B, L);                      // shared blocks are full for every member
-    int64_t kbase[TILE], vbase[TILE];
-    const KV* krow[TILE];
+    int64_t kbase[2][TILE], vbase[2][TILE];                   // this tile's rows (where each token's heads start)
+    const KV* krow[TILE];                                     // and the next one's
     const KV* vrow[TILE];
-    for (int t0 = b0 * B; t0 < end; t0 += TILE) {
-        const int n = std::min(TILE, end - t0);
-        for (int j = 0; j < n; ++j) {
-            const int64_t blk = table[(t0 + j) / B], off = (t0 + j) % B;
-            kbase[j] = blk * a.kc_blk + off * a.kc_tok;
-            vbase[j] = blk * a.vc_blk + off * a.vc_tok;
+    rows_at(a, table, b0 * B, std::min(TILE, end - b0 * B), kbase[0], vbase[0]);
+    for (int t0 = b0 * B, cur = 0; t0 < end; t0 += TILE, cur ^= 1) {
+        const int n = std::min(TILE, end - t0), n1 = std::min(TILE, end - t0 - TILE);
+        if (n1 > 0) {     // the next tile's rows (every KV head) on their way into the cache
+            rows_at(a, table, t0 + TILE, n1, kbase[cur ^ 1], vbase[cur ^ 1]);
+            touch_rows<KV>(a, kbase[cur ^ 1], vbase[cur ^ 1], n1);
         }
+        const int64_t* kb = kbase[cur];
+        const int64_t* vb = vbase[cur];
         for (int h = 0; h < a.Hkv; ++h) {
             const Rows r = rows_of(qs, part, nmem, h, H, G, D);
             for (int j = 0; j < n; ++j) {
-                krow[j] = kc + kbase[j] + h * a.kc_head;
-                vrow[j] = vc + vbase[j] + h * a.vc_head;
+                krow[j] = kc + kb[j] + h * a.kc_head;
+                vrow[j] = vc + vb[j] + h * a.vc_head;
             }
 #if defined(__AVX512F__)
             tile_avx512<KV, NV>(r, krow, vrow, n, kt, sc, TILE);
 #elif defined(PREFIXSERVE_AVX2)
-            tile_avx2<KV>(r, krow, vrow, n, D, kt, sc, TILE);
+            tile_avx2<KV, TILE>(r, krow, vrow, n, D, kt, sc, TILE);
 #else
             tile_generic<KV>(r, krow, vrow, n, D, sc, TILE);
 #endif
         }
     }
+#if defined(PREFIXSERVE_AVX2)
+    if constexpr (slot<KV>(1) != 1) {                         // the accumulators back in dimension order
+        float tmp[16];
+        for (int i = 0; i < nmem * H; ++i)
+            for (int c = 0; c < D; c += 16) {
+                float* acc = part + i * PS + 2 + c;
+                for (int d = 0; d < 16; ++d) tmp[d] = acc[slot<KV>(d)];
+                std::memcpy(acc, tmp, sizeof tmp);
+            }
+    }
+#endif
 }
 
 // items: [n_items, 4] int32 = (first member in `members`, member count, b0, b1).
@@ -429,10 +508,17 @@ void decode(const Args& a, const int32_t* items, int n_items, const int32_t* mem
     std::vector<int64_t> offset(n_items + 1, 0);            // each item's partials
     for (int it = 0; it < n_items; ++it) offset[it + 1] = offset[it] + static_cast<int64_t>(items[4 * it + 1]) * H * PS;
     std::vector<float> part(offset[n_items]);
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (int it = 0; it < n_items; ++it) {
-        const int32_t* item = items + 4 * it;
-        run_item<KV, NV>(a, members + item[0], item[1], item[2], item[3], part.data() + offset[it]);
+    std::atomic<int> next_item{0};
+    #pragma omp parallel
+    {   // items taken one at a time (dynamic), each thread a step ahead: its next item's first tile is read meanwhile
+        int it = next_item.fetch_add(1, std::memory_order_relaxed);
+        while (it < n_items) {
+            const int following = next_item.fetch_add(1, std::memory_order_relaxed);
+            if (following < n_items) touch_item<KV>(a, items + 4 * following, members);
+            const int32_t* item = items + 4 * it;
+            run_item<KV, NV>(a, members + item[0], item[1], item[2], item[3], part.data() + offset[it]);
+            it = following;
+        }
     }
     std::vector<std::vector<int64_t>> of_seq(a.S);           // where each sequence's partials are
     for (int it = 0; it < n_items; ++it)
