@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.core import EngineStats
 from engine.errors import EngineDead, EngineError, InvalidRequest
 from engine.kv.block_pool import CacheSalt
 from engine.llm_engine import LLMEngine
@@ -55,6 +54,7 @@ from engine.outputs import PinnedPrefix, RequestOutput
 from engine.request_stream import RequestStream
 from engine.sample.grammar_probe import CompileCancelled
 from engine.sequence import EngineRequest, SamplingParams
+from engine.stats import EngineStats
 
 GATHER_S = 0.05     # the longest a step from idle waits for requests already arriving (`AsyncEngine.arriving`)
 log = logging.getLogger(__name__)

@@ -5,7 +5,9 @@ forks. `step()` schedules one batch, runs the model, samples one token per sampl
 the token-level stop rules (stop token ids, EOS, max_tokens, max_model_len). Text (detokenization, stop
 strings, the choice of the n best) is the output processor's (output/processor.py); pins are the pin
 state machine's (pinning.py); both call back into `finish_seq` and `abort`. The checks a request passes
-before it waits (on fixed inputs, on the cache as it is) are the admission's (admission.py).
+before it waits (on fixed inputs, on the cache as it is) are the admission's (admission.py). Around sampling:
+prompt log-probabilities are sample/prompt_logprobs.py's, structured output's masks sample/constrained_rows.py's,
+the row-by-row retry of a failed batch the sampler's; growing blocks ahead of need is the scheduler's.
 
 NOTE: not thread-safe. One thread owns a core: the engine thread of AsyncEngine, or the caller of the
 offline API. The one exception is `make_request`, which reads only what never changes after
@@ -25,7 +27,7 @@ from engine.admission import Admission
 from engine.config import EngineConfig
 from engine.errors import CapacityExceeded, EngineError, InvalidRequest, KVRefused
 from engine.kv import backends as kv_backends
-from engine.kv.backends.base import CacheSpec, KVStat, KVStore, blocks_for_budget
+from engine.kv.backends.base import CacheSpec, KVStore, blocks_for_budget
 from engine.kv.block_manager import BlockManager
 from engine.kv.block_pool import BlockPool, root_hash
 from engine.kv.event_publisher import ZmqEventPublisher
@@ -36,42 +38,20 @@ from engine.models.default import NAME as DEFAULT_NAME
 from engine.models.default import TOOLS_TEMPLATE, default_model_path, is_builtin
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import RequestTimes
-from engine.sample import logits_processors
+from engine.sample import constrained_rows, logits_processors, prompt_logprobs
 from engine.sample.logits_processors import RowContext
-from engine.sample.sampler import Sampler, SamplerOutput, make_generator
+from engine.sample.sampler import Sampler, make_generator
 from engine.sample.structured import Grammars
 from engine.sched.forks import Forks
-from engine.sched.scheduler import ScheduledSeq, Scheduler
+from engine.sched.scheduler import Scheduler
 from engine.sequence import EngineRequest, SamplingParams, Sequence, SequenceGroup
+from engine.stats import EngineStats
 from engine.worker.model_runner import ModelRunner
 from engine.worker.threads import ThreadGovernor
 from kernels.ops import KernelConfig, Ops
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_pinned: int
-    kv_blocks_cached: int
-    kv_blocks_free: int
-    requests_running: int
-    requests_waiting: int
-    preemptions_total: int
-    prefix_cache_queried_tokens_total: int
-    prefix_cache_hit_tokens_total: int
-    kv_backend: str = ""                          # the KV backend's name, and its own figures (KVStore.stats)
-    kv_backend_stats: dict[str, KVStat] = field(default_factory=dict)
-    kv_events_published: int | None = None       # KV event batches published, records dropped (None: events off)
-    kv_events_dropped: int | None = None
-    grammars_cached: int = 0                      # compiled grammars kept for reuse, and their bytes
-    grammar_cache_bytes: int = 0
-    kv_tier_stats: dict[str, KVStat] = field(default_factory=dict)   # the KV tier's figures ({}: no tier)
-    torch_threads: int = 0                        # the compute threads now, and how often the governor moved them
-    torch_thread_changes: int = 0
 
 
 @dataclass
@@ -292,8 +272,8 @@ class EngineCore:
             if s.seq.group is not None and s.seq.group.times.scheduled is None:
                 s.seq.group.times.scheduled = time.monotonic()
         if self.kv_cache.ahead_tokens:
-            self._grow_ahead(sched.scheduled)
-        extra_rows, prompt_targets = self._prompt_logprob_rows(sched.scheduled)
+            self.scheduler.grow_ahead(sched.scheduled, self.kv_cache.ahead_tokens, self.max_model_len)
+        extra_rows, prompt_targets = prompt_logprobs.rows(sched.scheduled)
         if self.tier is not None:
             self.tier.capture()             # blocks evicted for this step: copied out before it overwrites them
         try:
@@ -305,7 +285,7 @@ class EngineCore:
             return out
         logits = step_logits.sample
         if step_logits.extra is not None:
-            self._prompt_logprobs(step_logits.extra, prompt_targets)
+            prompt_logprobs.record(step_logits.extra, prompt_targets)
         self.scheduler.update(sched)
         rows: list[int] = []
         targets: list[Sequence] = []
@@ -335,36 +315,6 @@ class EngineCore:
                 self.forks.beam_step(group)
         return out
 
-    def _prompt_logprob_rows(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[tuple[Sequence, int]]]:
-        """Rows of the flattened batch whose logits give prompt log-probabilities (position p predicts
-        prompt token p + 1), and for each row its sequence and the position of the token it predicts."""
-        rows: list[int] = []
-        targets: list[tuple[Sequence, int]] = []
-        offset = 0
-        for s in scheduled:
-            seq = s.seq
-            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
-                # from the first position not done yet: a prefill restarted by preemption skips the rest
-                start = max(seq.num_computed, len(seq.prompt_logprobs) - 1)
-                for p in range(start, min(seq.num_computed + s.num_new, seq.num_prompt_tokens - 1)):
-                    rows.append(offset + p - seq.num_computed)
-                    targets.append((seq, p + 1))
-            offset += s.num_new
-        return rows, targets
-
-    def _prompt_logprobs(self, logits: torch.Tensor, targets: list[tuple[Sequence, int]]) -> None:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)                       # [R, V]
-        ids = torch.tensor([seq.token_ids[pos] for seq, pos in targets], device=logprobs.device)
-        chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
-        k = max(seq.params.prompt_logprobs or 0 for seq, _ in targets)
-        top_v, top_i = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-        for (seq, pos), token, lp, vs, ix in zip(targets, ids.tolist(), chosen, top_v.tolist(), top_i.tolist()):
-            assert seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == pos
-            n = seq.params.prompt_logprobs or 0
-            entry = dict(zip(ix[:n], vs[:n]))
-            entry[token] = lp
-            seq.prompt_logprobs.append(entry)
-
     def _sample(self, logits: torch.Tensor, targets: list[Sequence]) -> None:
         """One token for each target row; then the token-level stop rules. A row that cannot be sampled
         (non-finite logits, or a sampling failure of its own) ends its request only."""
@@ -376,13 +326,14 @@ class EngineCore:
             contexts = [RowContext(t.output_token_ids, t.prompt_token_ids, self._stop_ids(t.params)) for t in targets]
         constrained = [j for j, t in enumerate(targets) if t.params.structured is not None]
         if constrained:
-            self._constrain(logits, [targets[j] for j in constrained], constrained)
-            self._grammar_limits(logits, targets, contexts, constrained)
+            constrained_rows.mask(self.grammars, logits, [targets[j] for j in constrained], constrained)
+            for seq, error in constrained_rows.limits(logits, targets, contexts, constrained):
+                self.abort(seq.request_id, error)
         try:
             res = self.sampler(logits, params, gens, contexts)
         except Exception:               # find the rows at fault: sample one at a time, fail only those
             log.exception("batched sampling failed; sampling row by row")
-            res = self._sample_rows(logits, params, gens, contexts)
+            res = self.sampler.row_by_row(logits, params, gens, contexts)
         failed = set(res.failed)
         for j, seq in enumerate(targets):
             if seq.finished:                # its request was just failed through a sibling's row
@@ -405,60 +356,6 @@ class EngineCore:
             if seq.guide is not None and not seq.finished and seq.guide.is_terminated():
                 self.finish_seq(seq, "stop")             # the grammar is complete
 
-    def _constrain(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
-        """Masks the constrained rows of `logits` in place to what their grammars allow next."""
-        for seq in seqs:
-            if seq.guide is None:
-                assert seq.group is not None and seq.group.grammar is not None
-                seq.guide = self.grammars.matcher(seq.group.grammar)
-        index = torch.tensor(rows, device=logits.device)
-        sub = logits.index_select(0, index).float()
-        self.grammars.apply(sub, [s.guide for s in seqs])
-        logits.index_copy_(0, index, sub.to(logits.dtype))
-
-    def _grammar_limits(self, logits: torch.Tensor, targets: list[Sequence], contexts: list[RowContext] | None,
-                        rows: list[int]) -> None:
-        """After masking: a constrained row whose grammar allows no token at all (a dead end: a rule that can
-        never finish) ends its request with a 400-class error; one whose grammar allows nothing but its end
-        while min_tokens still bans the stop tokens ends there: the grammar's end wins over min_tokens (its
-        stop tokens are unmasked for that row), finish_reason "stop"."""
-        allowed = torch.isfinite(logits[rows])                                     # [R, V]
-        for k, j in enumerate(rows):
-            seq = targets[j]
-            if not bool(allowed[k].any()):
-                spec = seq.params.structured
-                assert spec is not None
-                self.abort(seq.request_id, InvalidRequest(
-                    f"the {spec.kind.replace('_', ' ')} constraint admits no continuation after "
-                    f"{len(seq.output_token_ids)} tokens (a rule of it can never finish)", param=spec.param))
-                continue
-            ctx = contexts[j] if contexts is not None else None
-            if ctx is None or not ctx.stop_ids or len(ctx.output_token_ids) >= seq.params.min_tokens:
-                continue
-            row = allowed[k].clone()
-            row[[t for t in ctx.stop_ids if 0 <= t < row.shape[0]]] = False
-            if not bool(row.any()):
-                contexts[j] = RowContext(ctx.output_token_ids, ctx.prompt_token_ids, frozenset())  # type: ignore[index]
-
-    def _sample_rows(self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator],
-                     contexts: list[RowContext] | None) -> SamplerOutput:
-        ids, logprobs, tops, failed = [], [], [], []
-        for j in range(len(params)):
-            try:
-                one = self.sampler(logits[j:j + 1], params[j:j + 1], gens[j:j + 1],
-                                   contexts[j:j + 1] if contexts is not None else None)
-                ids.append(one.token_ids[0])
-                logprobs.append(one.logprobs[0])
-                tops.append(one.top_logprobs[0] if one.top_logprobs is not None else {})
-                failed += [j] if one.failed else []
-            except Exception:
-                log.exception("sampling failed for one row")
-                ids.append(0)
-                logprobs.append(0.0)
-                tops.append({})
-                failed.append(j)
-        return SamplerOutput(ids, logprobs, tops if any(p.logprobs is not None for p in params) else None, failed)
-
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         return eos | frozenset(params.stop_token_ids)
@@ -476,24 +373,6 @@ class EngineCore:
             self.finish_seq(seq, "stop")
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish_seq(seq, "length")
-
-    def _grow_ahead(self, scheduled: list[ScheduledSeq]) -> None:
-        """For backends that prepare blocks ahead of need (KVStore.ahead_tokens > 0: a backend that maps pages
-        while the forward pass runs): a sequence that samples this step (its next step is a decode) and
-        would fill its last block within ahead_tokens gets its next block now. Only blocks to spare beyond
-        the scheduler's watermark are used: growing ahead never preempts anything."""
-        spare = self.pool.num_free - self.scheduler.watermark
-        for s in scheduled:
-            seq = s.seq
-            if spare <= 0:
-                return
-            if not s.sample:
-                continue
-            last = seq.num_prompt_tokens + seq.max_tokens            # the most tokens it can ever hold
-            target = min(seq.num_computed + s.num_new + 1 + self.kv_cache.ahead_tokens, self.max_model_len, last)
-            need = -(-target // self.block_size) - self.manager.num_blocks(seq.seq_id)
-            if 0 < need <= spare and self.manager.grow(seq.seq_id, target):
-                spare -= need
 
     def reset_prefix_cache(self) -> int:
         """Forgets every evictable cached block (pinned prefixes and running requests keep theirs)."""

@@ -12,10 +12,10 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.core import EngineStats
 from engine.llm_engine import LLMEngine
 from engine.outputs import PinnedPrefix, RequestOutput
 from engine.sequence import SamplingParams
+from engine.stats import EngineStats
 
 Prompt = str | list[int]
 

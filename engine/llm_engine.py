@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 
 from engine.config import EngineConfig
-from engine.core import EngineCore, EngineStats
+from engine.core import EngineCore
 from engine.errors import EngineError
 from engine.kv.block_pool import CacheSalt
 from engine.models.loader import LoadedModel
@@ -21,6 +21,7 @@ from engine.output.processor import OutputProcessor
 from engine.outputs import PinnedPrefix, RequestOutput
 from engine.pinning import PinJob, PinStateMachine
 from engine.sequence import EngineRequest, SamplingParams, SequenceGroup
+from engine.stats import EngineStats
 
 
 class LLMEngine:

@@ -14,6 +14,7 @@ row_sample: the same inverse CDF in one pass over the row; its agreement criteri
 """
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from engine.sample import logits_processors
 from engine.sample.logits_processors import RowContext
 from engine.sequence import SamplingParams
 from kernels.ops import Ops, default_ops
+
+log = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 64) - 1      # torch.Generator.manual_seed takes 64-bit values
 
@@ -103,6 +106,27 @@ class Sampler:
         logprobs = (raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse).tolist()
         return SamplerOutput(token_ids=ids, logprobs=logprobs,
                              top_logprobs=self._top_logprobs(raw, lse, ids, logprobs, params), failed=failed)
+
+    def row_by_row(self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator],
+                   contexts: list[RowContext] | None) -> SamplerOutput:
+        """`__call__` one row at a time, after a batch failed: the rows that fail alone are `failed` (token 0),
+        the others sampled as the batch would have sampled them."""
+        ids, logprobs, tops, failed = [], [], [], []
+        for j in range(len(params)):
+            try:
+                one = self(logits[j:j + 1], params[j:j + 1], gens[j:j + 1],
+                                   contexts[j:j + 1] if contexts is not None else None)
+                ids.append(one.token_ids[0])
+                logprobs.append(one.logprobs[0])
+                tops.append(one.top_logprobs[0] if one.top_logprobs is not None else {})
+                failed += [j] if one.failed else []
+            except Exception:
+                log.exception("sampling failed for one row")
+                ids.append(0)
+                logprobs.append(0.0)
+                tops.append({})
+                failed.append(j)
+        return SamplerOutput(ids, logprobs, tops if any(p.logprobs is not None for p in params) else None, failed)
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The exact distribution `__call__` draws each row from: [N, V], rows sum to 1.

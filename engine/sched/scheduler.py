@@ -352,6 +352,25 @@ class Scheduler:
             out.preempted.append(victim)
         return freed
 
+    def grow_ahead(self, scheduled: list[ScheduledSeq], ahead_tokens: int, max_model_len: int) -> None:
+        """For backends that prepare blocks ahead of need (KVStore.ahead_tokens > 0: a backend that maps pages
+        while the forward pass runs): a sequence that samples this step (its next step is a decode) and
+        would fill its last block within ahead_tokens gets its next block now. Only blocks to spare beyond
+        the watermark are used: growing ahead never preempts anything."""
+        spare = self.manager.pool.num_free - self.watermark
+        block_size = self.manager.block_size
+        for s in scheduled:
+            seq = s.seq
+            if spare <= 0:
+                return
+            if not s.sample:
+                continue
+            last = seq.num_prompt_tokens + seq.max_tokens            # the most tokens it can ever hold
+            target = min(seq.num_computed + s.num_new + 1 + ahead_tokens, max_model_len, last)
+            need = -(-target // block_size) - self.manager.num_blocks(seq.seq_id)
+            if 0 < need <= spare and self.manager.grow(seq.seq_id, target):
+                spare -= need
+
     def update(self, out: SchedulerOutput) -> None:
         """After the forward pass: the scheduled tokens are now in the cache."""
         for s in out.scheduled:
