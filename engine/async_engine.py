@@ -19,7 +19,7 @@ Who owns what:
   size); everything that depends on the cache (pinned blocks, the waiting queue) is checked on the
   engine thread and refused through the stream.
 - The loop owns the streams (RequestStream) and the pin futures. After each step the engine thread
-  returns a _StepResult that the loop delivers.
+  returns a StepResult that the loop delivers.
 - Tokenizers: a Hugging Face fast tokenizer reconfigures its one Rust object on every encode (special tokens
   split or not, truncation, padding), so two threads encoding with one tokenizer can get each other's
   settings (a grammar's vocabulary read with special tokens split, say). Rule: a tokenizer object is encoded
@@ -43,10 +43,10 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.engine_thread import EngineThreadSide, StepResult
 from engine.errors import EngineDead, EngineError, InvalidRequest
 from engine.kv.block_pool import CacheSalt
 from engine.llm_engine import LLMEngine
@@ -58,18 +58,6 @@ from engine.stats import EngineStats
 
 GATHER_S = 0.05     # the longest a step from idle waits for requests already arriving (`AsyncEngine.arriving`)
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _StepResult:
-    outputs: list[RequestOutput] = field(default_factory=list)
-    accepted: list[str] = field(default_factory=list)
-    failures: list[tuple[str, EngineError]] = field(default_factory=list)            # request id, error
-    pins: list[tuple[str, PinnedPrefix | None, EngineError | None]] = field(default_factory=list)
-    unpins: list[tuple[asyncio.Future[int], int]] = field(default_factory=list)   # unpin and reset answers
-    refused: list[tuple[asyncio.Future[int], EngineError]] = field(default_factory=list)  # unpins / resets that failed
-    retired: list[str] = field(default_factory=list)     # engine ids whose abort was applied: no output follows
-    stats: EngineStats | None = None
 
 
 class AsyncEngine:
@@ -97,6 +85,7 @@ class AsyncEngine:
         self.attention_backend = self._core.attention_backend
         self.kernels = self._core.ops.report.as_dict()          # which kernels run each op (kernels/ops.py)
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._thread_side = EngineThreadSide(self._engine, self._commands)    # what runs on the engine thread
         self._streams: dict[str, RequestStream] = {}                        # loop side, by engine id
         # NOTE: a request's engine id is unique per life: the id its caller gave, or, while an earlier request of
         # that id is being aborted (outputs of a step that ran before the abort reached the engine thread may
@@ -104,7 +93,6 @@ class AsyncEngine:
         self._ids: dict[str, str] = {}                                      # loop side: caller's id -> engine id
         self._retiring: set[str] = set()                                    # loop side: aborted, not yet applied
         self._pin_futures: dict[str, asyncio.Future[PinnedPrefix]] = {}      # loop side
-        self._pins_waiting: set[str] = set()                                 # engine-thread side
         self._pin_ids = itertools.count()
         # structured output's grammars compile here, off the loop and the engine thread, a few at once, each
         # within grammar_compile_timeout (engine/sample/grammar_probe.py); a client that leaves stops its own
@@ -333,7 +321,7 @@ class AsyncEngine:
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._wakeup is not None
-        running: asyncio.Future[_StepResult] | None = None
+        running: asyncio.Future[StepResult] | None = None
         try:
             while True:
                 if running is None:
@@ -342,7 +330,7 @@ class AsyncEngine:
                         await self._wakeup.wait()
                     await self._gather()
                     self._wakeup.clear()
-                    running = loop.run_in_executor(self._executor, self._step_in_thread)
+                    running = loop.run_in_executor(self._executor, self._thread_side.step)
                 result = await running
                 running = None
                 # NOTE: pipelined. While requests run, the next step starts before this one's outputs are
@@ -351,7 +339,7 @@ class AsyncEngine:
                 # applied at the start of the step after that one.
                 if result.stats is not None and (result.stats.requests_running or result.stats.requests_waiting):
                     self._wakeup.clear()
-                    running = loop.run_in_executor(self._executor, self._step_in_thread)
+                    running = loop.run_in_executor(self._executor, self._thread_side.step)
                 self._deliver(result)
                 await asyncio.sleep(0)  # let handlers write what they got
         except asyncio.CancelledError:
@@ -363,87 +351,7 @@ class AsyncEngine:
                 stream._fail(rid, EngineDead(f"the engine stopped: {exc}"))
             raise
 
-    def _step_in_thread(self) -> _StepResult:
-        """Runs on the engine thread: apply queued commands, then one step."""
-        res = _StepResult()
-        engine = self._engine
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            try:
-                self._apply(cmd, res)
-            except Exception as exc:    # a fault of ours in one command fails what it was for, not the engine
-                log.exception("engine command %r failed", cmd[0])
-                self._contain(cmd, EngineError(f"internal error: {exc!r}"), res)
-        if engine.has_unfinished():
-            try:
-                res.outputs.extend(engine.step())
-            except EngineDead:        # a part of the engine is broken for good (the KV cache): the loop ends
-                raise
-            except Exception as exc:  # a failed forward pass fails the requests in flight, not the engine
-                log.exception("engine step failed")
-                error = EngineError(f"internal error while generating: {exc}")
-                for rid in engine.request_ids:
-                    out = engine.abort(rid, error)
-                    if out is not None:
-                        res.outputs.append(out)
-        for job_id in list(self._pins_waiting):
-            job = engine.pins.jobs.get(job_id)
-            if job is None or job.settled:
-                self._pins_waiting.discard(job_id)
-            if job is not None and job.settled:
-                res.pins.append((job_id, job.result, job.error))
-        res.stats = engine.stats()
-        return res
-
-    def _contain(self, cmd: tuple[Any, ...], error: EngineError, res: _StepResult) -> None:
-        """Engine thread: after `cmd` raised, undo what it started and tell its caller (its request fails, its
-        future gets the error); what cannot be undone is logged."""
-        kind = cmd[0]
-        try:
-            if kind == "add":
-                res.failures.append((cmd[1].request_id, error))
-                self._engine.abort(cmd[1].request_id)   # whatever part of it was admitted
-            elif kind == "pin":
-                self._engine.release_pin(cmd[1], keep=False)
-                self._pins_waiting.discard(cmd[1])
-                res.pins.append((cmd[1], None, error))
-            elif kind in ("unpin", "reset"):
-                res.refused.append((cmd[1], error))
-            elif kind == "abort":
-                res.retired.append(cmd[1])
-        except Exception:
-            log.exception("undoing the failed %r command failed too", kind)
-
-    def _apply(self, cmd: tuple[Any, ...], res: _StepResult) -> None:
-        engine = self._engine
-        kind = cmd[0]
-        if kind == "add":
-            request: EngineRequest = cmd[1]
-            try:
-                engine.add(request)
-                res.accepted.append(request.request_id)
-            except EngineError as exc:
-                res.failures.append((request.request_id, exc))
-        elif kind == "abort":
-            out = engine.abort(cmd[1])
-            if out is not None:
-                res.outputs.append(out)
-            res.retired.append(cmd[1])
-        elif kind == "pin":
-            engine.start_pin(cmd[1], cmd[2], cmd[3], cmd[4])
-            self._pins_waiting.add(cmd[1])
-        elif kind == "release":
-            engine.release_pin(cmd[1], keep=cmd[2])
-            self._pins_waiting.discard(cmd[1])
-        elif kind == "unpin":
-            res.unpins.append((cmd[1], engine.unpin_prefix(cmd[2], cmd[3], cmd[4], cmd[5])))
-        elif kind == "reset":
-            res.unpins.append((cmd[1], engine.core.reset_prefix_cache()))
-
-    def _deliver(self, res: _StepResult) -> None:
+    def _deliver(self, res: StepResult) -> None:
         if res.stats is not None:
             self._stats = res.stats
         for rid in res.accepted:
