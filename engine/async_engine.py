@@ -50,11 +50,10 @@ from engine.engine_thread import EngineThreadSide, StepResult
 from engine.errors import EngineDead, EngineError, InvalidRequest
 from engine.kv.block_pool import CacheSalt
 from engine.llm_engine import LLMEngine
-from engine.outputs import PinnedPrefix, RequestOutput
+from engine.outputs import EngineStats, PinnedPrefix, RequestOutput
 from engine.request_stream import RequestStream
 from engine.sample.grammar_probe import CompileCancelled
 from engine.sequence import EngineRequest, SamplingParams
-from engine.stats import EngineStats
 
 GATHER_S = 0.05     # the longest a step from idle waits for requests already arriving (`AsyncEngine.arriving`)
 log = logging.getLogger(__name__)

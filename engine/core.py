@@ -37,7 +37,7 @@ from engine.models.chat_template import override_chat_template, read_chat_templa
 from engine.models.default import NAME as DEFAULT_NAME
 from engine.models.default import TOOLS_TEMPLATE, default_model_path, is_builtin
 from engine.models.loader import LoadedModel, load_model
-from engine.outputs import RequestTimes
+from engine.outputs import EngineStats, RequestTimes
 from engine.sample import constrained_rows, logits_processors, prompt_logprobs
 from engine.sample.logits_processors import RowContext
 from engine.sample.sampler import Sampler, make_generator
@@ -45,7 +45,6 @@ from engine.sample.structured import Grammars
 from engine.sched.forks import Forks
 from engine.sched.scheduler import Scheduler
 from engine.sequence import EngineRequest, SamplingParams, Sequence, SequenceGroup
-from engine.stats import EngineStats
 from engine.worker.model_runner import ModelRunner
 from engine.worker.threads import ThreadGovernor
 from kernels.ops import KernelConfig, Ops

@@ -12,9 +12,8 @@ from typing import Any
 
 from engine.errors import EngineDead, EngineError
 from engine.llm_engine import LLMEngine
-from engine.outputs import PinnedPrefix, RequestOutput
+from engine.outputs import EngineStats, PinnedPrefix, RequestOutput
 from engine.sequence import EngineRequest
-from engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 

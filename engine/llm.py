@@ -13,9 +13,8 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import PinnedPrefix, RequestOutput
+from engine.outputs import EngineStats, PinnedPrefix, RequestOutput
 from engine.sequence import SamplingParams
-from engine.stats import EngineStats
 
 Prompt = str | list[int]
 

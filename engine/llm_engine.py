@@ -18,10 +18,9 @@ from engine.errors import EngineError
 from engine.kv.block_pool import CacheSalt
 from engine.models.loader import LoadedModel
 from engine.output.processor import OutputProcessor
-from engine.outputs import PinnedPrefix, RequestOutput
+from engine.outputs import EngineStats, PinnedPrefix, RequestOutput
 from engine.pinning import PinJob, PinStateMachine
 from engine.sequence import EngineRequest, SamplingParams, SequenceGroup
-from engine.stats import EngineStats
 
 
 class LLMEngine:

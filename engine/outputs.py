@@ -1,5 +1,7 @@
 """What the engine hands back: CompletionOutput (one generated sequence) and RequestOutput (one request),
-and `RequestOutput.merge`, the one place where streamed deltas are accumulated.
+and `RequestOutput.merge`, the one place where streamed deltas are accumulated; EngineStats, what an engine
+reports of itself (the KV cache's blocks, the queues, prefix hits, the KV backend's and tier's figures, the
+grammar cache, the compute threads) for /metrics and LLM.stats().
 
 A streaming request yields deltas: each CompletionOutput holds the text and tokens generated since the
 previous output of the same request. Merging deltas in order gives what a non-streaming request returns
@@ -9,8 +11,12 @@ results; nobody else accumulates.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from engine.kv.backends.base import KVStat  # it imports torch: engine.config must import without it
 
 
 @dataclass
@@ -97,3 +103,26 @@ class PinnedPrefix:
     num_tokens: int
     num_pinned_blocks: int
     block_hashes: list[str] = field(default_factory=list)    # hex, chained, one per full block
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_pinned: int
+    kv_blocks_cached: int
+    kv_blocks_free: int
+    requests_running: int
+    requests_waiting: int
+    preemptions_total: int
+    prefix_cache_queried_tokens_total: int
+    prefix_cache_hit_tokens_total: int
+    kv_backend: str = ""                          # the KV backend's name, and its own figures (KVStore.stats)
+    kv_backend_stats: dict[str, KVStat] = field(default_factory=dict)
+    kv_events_published: int | None = None       # KV event batches published, records dropped (None: events off)
+    kv_events_dropped: int | None = None
+    grammars_cached: int = 0                      # compiled grammars kept for reuse, and their bytes
+    grammar_cache_bytes: int = 0
+    kv_tier_stats: dict[str, KVStat] = field(default_factory=dict)   # the KV tier's figures ({}: no tier)
+    torch_threads: int = 0                        # the compute threads now, and how often the governor moved them
+    torch_thread_changes: int = 0
