@@ -257,7 +257,6 @@ using prefixserve_simd::exp256;
 using prefixserve_simd::first_lanes;
 using prefixserve_simd::hmax256;
 using prefixserve_simd::hsum256;
-using prefixserve_simd::transpose8;
 
 // 16 dimensions of a K or V row as two float32 vectors, in the order the AVX2 loops keep queries and
 // accumulators in (`slot`): a bfloat16 row's 256-bit load splits into its even dimensions (each 32-bit word's
