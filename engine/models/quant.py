@@ -69,6 +69,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scale_zero", scale_zero)
         s, z = scale.to(ACT).float(), zero.to(ACT).float()        # the kernels' bfloat16 scale and zero
+        # the dense weight is these 4-bit values (a GGUF Q4 layer): then wide decode steps may decode them instead
+        # (kernels/ops.py Ops.linear); a float weight kept from from_float is the better of the two, and read
+        self.dense_is_int4 = dense is None
         if dense is None:    # (q - 8) * scale + zero
             dense = ((q.float() - 8).view(self.out_features, -1, GROUP) * s[..., None] + z[..., None]).view(q.shape)
         self.register_buffer("dense", pack_dense(dense))

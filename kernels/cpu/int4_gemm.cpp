@@ -152,6 +152,70 @@ void q8_generic(const int8_t* xh, int64_t xq_stride, const float* xa, const floa
     }
 }
 
+#if defined(PREFIXSERVE_AVX2)
+// -- wide steps (gemm_wide): a float32 GEMM whose weights are decoded from 4 bits a panel at a time ---------------
+// A panel is 16 outputs x KC inputs of W decoded to float32 (W = q s + z, 16 KB-20 KB: it stays in L1) once, then
+// multiplied by every row of the step: 6 rows x 16 outputs a pass, 12 accumulators, two FMAs per broadcast
+// activation (the register blocking of a float32 GEMM's micro-kernel). The step's rows are first packed six at
+// a time ([T / 6, K, 6], zero rows padding the last block), so a pass reads its activations in one stream.
+// Products are summed in float32 in order of k, a KC block at a time into y: a row's result depends on that
+// row only.
+constexpr int MR = 6, NR = 16;
+
+inline int kc_block(int K) {                     // KC: K split into equal blocks of at most 320, multiples of 32
+    const int blocks = (K + 319) / 320;
+    return ((K + blocks - 1) / blocks + GROUP - 1) / GROUP * GROUP;
+}
+
+// Bp [kc, 16] = the panel's weights k0 .. k0 + kc (a multiple of 32) of the two blocks of 8 outputs w0, w1.
+inline void decode_panel(const uint32_t* w0, const uint32_t* w1, const float* sz0, const float* sz1, int k0, int kc,
+                         float* bp) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
+    for (int g = k0 / GROUP; g < (k0 + kc) / GROUP; ++g) {
+        const __m256 s0 = _mm256_loadu_ps(sz0 + g * 16), z0 = _mm256_loadu_ps(sz0 + g * 16 + 8);
+        const __m256 s1 = _mm256_loadu_ps(sz1 + g * 16), z1 = _mm256_loadu_ps(sz1 + g * 16 + 8);
+        float* out = bp + static_cast<int64_t>(g * GROUP - k0) * NR;
+        for (int k = g * GROUP; k < (g + 1) * GROUP; ++k, out += NR) {
+            _mm256_store_ps(out, _mm256_fmadd_ps(decode(w0[k], shifts, mask), s0, z0));
+            _mm256_store_ps(out + 8, _mm256_fmadd_ps(decode(w1[k], shifts, mask), s1, z1));
+        }
+    }
+}
+
+// y[0 .. rows) x 16 (+)= ap [kc, 6] x bp [kc, 16]; the first K block stores, later ones add. Six rows are
+// computed whatever `rows` (the packed rows past T are zeros). The twelve accumulators are named variables:
+// GCC keeps an array of them in memory, storing each at every k.
+#define PS_ROW(r, c0, c1)                                                              \
+    {                                                                                  \
+        const __m256 a = _mm256_broadcast_ss(ap + (r));                                \
+        c0 = _mm256_fmadd_ps(a, b0, c0);                                               \
+        c1 = _mm256_fmadd_ps(a, b1, c1);                                               \
+    }
+#define PS_STORE(r, c0, c1)                                                            \
+    if ((r) < rows) {                                                                  \
+        float* yr = y + (r) * y_stride;                                                \
+        if (!first) {                                                                  \
+            c0 = _mm256_add_ps(_mm256_loadu_ps(yr), c0);                               \
+            c1 = _mm256_add_ps(_mm256_loadu_ps(yr + 8), c1);                           \
+        }                                                                              \
+        _mm256_storeu_ps(yr, c0);                                                      \
+        _mm256_storeu_ps(yr + 8, c1);                                                  \
+    }
+void micro(const float* ap, const float* bp, int kc, float* y, int64_t y_stride, int rows, bool first) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+           c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (int k = 0; k < kc; ++k, ap += MR, bp += NR) {
+        const __m256 b0 = _mm256_load_ps(bp), b1 = _mm256_load_ps(bp + 8);
+        PS_ROW(0, c00, c01) PS_ROW(1, c10, c11) PS_ROW(2, c20, c21) PS_ROW(3, c30, c31) PS_ROW(4, c40, c41)
+        PS_ROW(5, c50, c51)
+    }
+    PS_STORE(0, c00, c01) PS_STORE(1, c10, c11) PS_STORE(2, c20, c21) PS_STORE(3, c30, c31) PS_STORE(4, c40, c41)
+    PS_STORE(5, c50, c51)
+}
+#undef PS_ROW
+#undef PS_STORE
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -244,6 +308,57 @@ int prefixserve_int4_gemm_q8(const float* x, int64_t x_stride, const uint8_t* w,
     std::free(xh);
     std::free(xa);
     return 0;
+}
+
+// x: [T, K] float32 (row stride x_stride); w, sz: as prefixserve_int4_gemm's; y: [T, N] float32 (row stride
+// y_stride). The same product for wide steps: each 16 x KC panel of W decoded to float32 once and multiplied by
+// all T rows. Returns 0, or -1 for shapes it does not take (N % 16, K % 32) or no memory for the scratch.
+int prefixserve_int4_gemm_wide(const float* x, int64_t x_stride, const uint32_t* w, const float* sz, float* y,
+                               int64_t y_stride, int T, int N, int K) {
+#if defined(PREFIXSERVE_AVX2)
+    if (N % 16 != 0 || K % GROUP != 0 || T < 0) return -1;
+    if (T == 0) return 0;
+    const int G = K / GROUP, blocks = (T + MR - 1) / MR, KC = kc_block(K);
+    float* ap = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * static_cast<size_t>(blocks) * K * MR));
+    if (ap == nullptr) return -1;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int b = 0; b < blocks; ++b)                     // rows 6 b .. 6 b + 5 as [K, 6]
+            for (int r = 0; r < MR; ++r) {
+                const int t = b * MR + r;
+                float* dst = ap + static_cast<int64_t>(b) * K * MR + r;
+                if (t < T)
+                    for (int k = 0; k < K; ++k) dst[k * MR] = x[t * x_stride + k];
+                else
+                    for (int k = 0; k < K; ++k) dst[k * MR] = 0.f;
+            }
+        float* bp = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * static_cast<size_t>(KC) * NR));
+        if (bp == nullptr) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int p = 0; p < N / NR; ++p) {
+            if (bp == nullptr) continue;
+            const uint32_t* w0 = w + static_cast<int64_t>(2 * p) * K;
+            const float* sz0 = sz + static_cast<int64_t>(2 * p) * G * 16;
+            for (int k0 = 0; k0 < K; k0 += KC) {
+                const int kc = std::min(KC, K - k0);
+                decode_panel(w0, w0 + K, sz0, sz0 + G * 16, k0, kc, bp);
+                for (int b = 0; b < blocks; ++b)
+                    micro(ap + (static_cast<int64_t>(b) * K + k0) * MR, bp, kc, y + b * MR * y_stride + NR * p, y_stride,
+                          std::min(MR, T - b * MR), k0 == 0);
+            }
+        }
+        std::free(bp);
+    }
+    std::free(ap);
+    return failed ? -1 : 0;
+#else
+    return prefixserve_int4_gemm(x, x_stride, w, sz, y, y_stride, T, N, K);
+#endif
 }
 
 // The loops this build runs: "avx2" or "generic".

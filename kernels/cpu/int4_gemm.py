@@ -5,6 +5,9 @@
                           is q[8 b + j, k]; sz [N / 8, K / 32, 2, 8] float32: scale, then zero - 8 scale)
     gemm(x, w, sz)        x [T, K] float32 -> y [T, N] float32 = x @ W^T, the weights read 4-bit: every
                           decoded weight vector serves all T rows (torch's int4 kernel reads them once a row)
+    gemm_wide(x, w, sz)   the same product for wide decode steps (16 rows and more): each panel of 16 outputs x
+                          <= 320 inputs decoded to float32 once into L1, then a float32 GEMM micro-kernel (6 rows
+                          x 16 outputs, twelve accumulators) runs every row over it
     pack_u8(q)            q -> [N / 8, K / 4, 8, 4] uint8, the weights a byte each for gemm_q8
     gemm_q8(x, w, sz)     the same product with x quantized to int8 per group of 32 of a row (a = max |x| / 127):
                           integer products (vpmaddubsw, 32 a uop), exact sums a group, then the group's scales in
@@ -13,6 +16,8 @@
 Agreement criterion (gemm): y equals x @ W^T with W dequantized in float32 within float32 rounding (the kernel sums
 each group of 32 products, then scales it: another order than a dense GEMM's). A row's result depends on
 that row only. Shapes: N a multiple of 16, K of 32 (`fits`).
+Agreement criterion (gemm_wide): the same as gemm's (another order again: products summed in order of k, W
+decoded as q s + z with one rounding); a row's result depends on that row only.
 Agreement criterion (gemm_q8): y equals x_q @ W^T within float32 rounding, x_q being x with each group of 32
 of a row rounded to the nearest multiple of max |x| / 127 of the group (so off from x @ W^T by up to half a step
 a weight); a row's result depends on that row only, and every build gives the same bits.
@@ -74,6 +79,8 @@ class Int4Gemm:
         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         lib.prefixserve_int4_gemm.argtypes = [p, i64, p, p, p, i64, i, i, i]
         lib.prefixserve_int4_gemm.restype = ctypes.c_int
+        lib.prefixserve_int4_gemm_wide.argtypes = [p, i64, p, p, p, i64, i, i, i]
+        lib.prefixserve_int4_gemm_wide.restype = ctypes.c_int
         lib.prefixserve_int4_gemm_q8.argtypes = [p, i64, p, p, p, i64, i, i, i]
         lib.prefixserve_int4_gemm_q8.restype = ctypes.c_int
         lib.prefixserve_int4_gemm_path.restype = ctypes.c_char_p
@@ -84,6 +91,12 @@ class Int4Gemm:
         nb, k = w.shape
         assert w.dtype == torch.int32 and w.is_contiguous()
         return self._call(self._lib.prefixserve_int4_gemm, "int4_gemm", x, w, sz, nb, k)
+
+    def gemm_wide(self, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        """gemm's product, computed as wide steps want it (the module's docstring)."""
+        nb, k = w.shape
+        assert w.dtype == torch.int32 and w.is_contiguous()
+        return self._call(self._lib.prefixserve_int4_gemm_wide, "int4_gemm_wide", x, w, sz, nb, k)
 
     def gemm_q8(self, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         """x [T, K] float32 @ W^T with x quantized to int8 per group of 32 of a row, W as pack_u8 (weights) and

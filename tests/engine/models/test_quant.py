@@ -11,6 +11,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models.quant import DENSE_FROM_ROWS, GROUP, Int4Linear, Int8Linear, QuantLogits, gguf_q4
 from kernels import quant_gemm as qg
+from kernels.ops import default_ops
 
 # bfloat16 activations (8 mantissa bits: 2^-9 relative per element) through a dot product of a few
 # hundred terms: the output's relative error is a few 1e-3 (measured 3.4e-3 on SmolLM2's projections).
@@ -135,6 +136,31 @@ def test_wide_steps_take_the_dense_gemm() -> None:
                       torch.randn(96, 4) * 0.01)
     exact = Int4Linear(q, scale, zero, b)                            # a GGUF Q4 layer: its 4-bit values either way
     assert rel_err(exact(x), torch.cat([exact(x[i:i + 2]) for i in range(0, x.shape[0], 2)])) < REL_TOL
+    assert rel_err(exact(x, wide=True), exact(x)) < REL_TOL           # a prompt chunk: the dense GEMM
+
+
+def test_wide_decode_steps_of_gguf_q4_layers_decode_the_4_bit_weights() -> None:
+    """Where wide steps are float32 GEMMs (AVX2), a GGUF Q4 layer's decode steps of DENSE_FROM_ROWS rows and more
+    take our panel-decoding int4 GEMM (int4_gemm.cpp gemm_wide: its bits exactly), a prompt chunk the dense
+    GEMM; a layer quantized here from a float weight keeps that weight for its wide steps (from_float)."""
+    ops = default_ops()
+    if ops._int4 is None:
+        pytest.skip("wide steps are bfloat16 GEMMs on this CPU (or the C++ kernels are off)")
+    torch.manual_seed(3)
+    q, scale, zero = (torch.randint(0, 16, (96, 128), dtype=torch.int32), torch.rand(96, 4) * 0.01,
+                      torch.randn(96, 4) * 0.01)
+    b = torch.randn(96)
+    exact = Int4Linear(q, scale, zero, b, ops=ops)
+    x = torch.randn(DENSE_FROM_ROWS + 5, 128)
+    own = ops._int4.gemm_wide(x, exact.q8, exact.sz8) + b
+    assert rel_err(ops.linear(exact, x, prefill=True), own) < 1e-5  # a prompt chunk: the dense GEMM, same values
+    exact.dense = qg.pack_dense(torch.zeros(96, 128))               # now only the 4-bit weights hold the layer
+    assert torch.equal(ops.linear(exact, x, prefill=False), own)    # float32 activations, as a wide step has
+    assert torch.equal(ops.linear(exact, x, prefill=True), b.expand(x.shape[0], -1))
+    w = torch.randn(96, 128) * 0.1
+    kept = Int4Linear.from_float(w, b, ops)
+    assert not kept.dense_is_int4 and exact.dense_is_int4
+    assert rel_err(ops.linear(kept, x, prefill=False), x @ w.T + b) < 1e-5   # the float weight, not its 4 bits
 
 
 def test_quantized_answers_do_not_depend_on_how_much_of_the_prompt_was_cached(tiny_llama_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""The narrow steps' int4 GEMM (kernels/cpu/int4_gemm.cpp) against x @ W^T with W dequantized in float64, with
+"""The int4 GEMMs of narrow and of wide decode steps (kernels/cpu/int4_gemm.cpp) against x @ W^T with W dequantized in float64, with
 every build this CPU runs; and the quantized model on it against torch's int4 kernel. The same for the int4 x int8
 GEMM of the coarse head (gemm_q8), against the product of the rows rounded as it rounds them.
 
@@ -50,10 +50,29 @@ def test_int4_gemm_equals_the_dequantized_product(variant: CpuKernels, rows: int
         assert torch.equal(variant.int4.gemm(x[t:t + 1], w, sz)[0], y[t])
 
 
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 64, 100])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 352), (960, 576), (576, 1536)])
+def test_wide_int4_gemm_equals_the_dequantized_product(variant: CpuKernels, rows: int, shape: tuple[int, int]) -> None:
+    """gemm_wide: row blocks of six with a ragged last one, K in panels of up to 320 (352 and 1,536: a shorter
+    last panel, its sums added onto the first ones'), against the float64 product."""
+    n, k = shape
+    q, scale, zero, dense = weights(n, k, seed=3 * n + rows)
+    w, sz = int4_gemm.pack(q, scale, zero)
+    x = (torch.randn(rows, k + 24) * 2)[:, 8:8 + k]            # a row stride wider than the row
+    y = variant.int4.gemm_wide(x, w, sz)
+    want = x.double() @ dense.T
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    assert ((y.double() - want).abs().amax(dim=1) <= 1e-5 * want.abs().amax(dim=1)).all()
+    for t in sorted({0, rows // 2, rows - 1}):                 # a row alone gives the same bits
+        assert torch.equal(variant.int4.gemm_wide(x[t:t + 1], w, sz)[0], y[t])
+
+
 def test_int4_gemm_refuses_shapes_it_does_not_take(variant: CpuKernels) -> None:
     w = torch.zeros(3, 64, dtype=torch.int32)                  # 24 outputs: not a multiple of 16
     with pytest.raises(ValueError):
         variant.int4.gemm(torch.zeros(2, 64), w, torch.zeros(3, 2, 2, 8))
+    with pytest.raises(ValueError):
+        variant.int4.gemm_wide(torch.zeros(2, 64), w, torch.zeros(3, 2, 2, 8))
 
 
 def q8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -61,8 +80,13 @@ def q8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: to
     products with q * scale, the group's exact sum for its offset zero - 8 scale."""
     t, k = x.shape
     g = x.double().view(t, -1, 32)
-    step = g.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(g / torch.where(step == 0, 1.0, step)) * step).view(t, k)
+    # the rounding as the kernel does it, in float32 (x * (127 / max), half to even): in float64, a product a hair
+    # from .5 would round the other way now and then, a whole step off
+    g32 = x.float().view(t, -1, 32)
+    mx = g32.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(mx, 127.0).div(torch.where(mx > 0, mx, 1.0))    # a division (127 / t is 127 * (1 / t))
+    h = torch.round(g32 * torch.where(mx > 0, inv, 0.0))
+    xq = (h.double() * (mx / 127).double()).view(t, k)
     wq = (q.double().view(q.shape[0], -1, 32) * scale.double()[..., None]).view(q.shape)
     return xq @ wq.T + g.sum(-1) @ (zero.double() - 8 * scale.double()).T
 
