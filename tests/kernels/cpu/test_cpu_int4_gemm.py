@@ -1,6 +1,7 @@
 """The int4 GEMMs of narrow and of wide decode steps (kernels/cpu/int4_gemm.cpp) against x @ W^T with W
-dequantized in float64, with every build this CPU runs; and the quantized model on it against torch's int4 kernel. The same for the int4 x int8
-GEMM of the coarse head (gemm_q8), against the product of the rows rounded as it rounds them.
+dequantized in float64, with every build this CPU runs; and the quantized model on it against torch's int4
+kernel. The same for the int4 x int8 GEMM of the coarse head (gemm_q8), against the product of the rows rounded
+as it rounds them.
 
 Agreement criteria (kernels/cpu/int4_gemm.py): within float32 rounding of the dequantized product (relative
 1e-5 of the row's largest output); a row's result bit for bit the same whatever rows share its call.
