@@ -246,15 +246,15 @@ class Ops:
         kind = getattr(layer, "kind", None)
         if kind is None:
             return F.linear(x, layer.weight, layer.bias)
-        own = kind == "int4" and self._int4 is not None and layer.q8.numel()
-        if own and layer.dense_is_int4 and not prefill and x.shape[0] >= qg.DENSE_FROM_ROWS:
+        own = self._int4 if kind == "int4" and layer.q8.numel() else None
+        if own is not None and layer.dense_is_int4 and not prefill and x.shape[0] >= qg.DENSE_FROM_ROWS:
             # a wide decode step: our int4 GEMM that decodes a panel for every row (1.2x oneDNN's float32 GEMM
             # over SmolLM2's projections at 64 rows, weights cold, kernels/cpu/int4_gemm.py)
-            return self._own_int4(self._int4.gemm_wide, layer, x)
+            return self._own_int4(own.gemm_wide, layer, x)
         if self._dense(layer, x.shape[0], prefill):
             return qg.dense_mm(x, layer.dense, layer.bias)
-        if own:
-            return self._own_int4(self._int4.gemm, layer, x)
+        if own is not None:
+            return self._own_int4(own.gemm, layer, x)
         xa = x.to(qg.ACT)
         y = qg.int4_mm(xa, layer.packed, layer.scale_zero) if kind == "int4" else \
             qg.int8_mm(xa, layer.weight_q, layer.scale)
