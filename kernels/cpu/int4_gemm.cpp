@@ -161,6 +161,7 @@ void q8_generic(const int8_t* xh, int64_t xq_stride, const float* xa, const floa
 // Products are summed in float32 in order of k, a KC block at a time into y: a row's result depends on that
 // row only.
 constexpr int MR = 6, NR = 16;
+constexpr int MB = 24;           // row blocks a pass over the panels: 144 rows
 
 inline int kc_block(int K) {                     // KC: K split into equal blocks of at most 320, multiples of 32
     const int blocks = (K + 319) / 320;
@@ -339,17 +340,20 @@ int prefixserve_int4_gemm_wide(const float* x, int64_t x_stride, const uint32_t*
             #pragma omp atomic write
             failed = 1;
         }
-        #pragma omp for schedule(static)
-        for (int p = 0; p < N / NR; ++p) {
-            if (bp == nullptr) continue;
-            const uint32_t* w0 = w + static_cast<int64_t>(2 * p) * K;
-            const float* sz0 = sz + static_cast<int64_t>(2 * p) * G * 16;
-            for (int k0 = 0; k0 < K; k0 += KC) {
-                const int kc = std::min(KC, K - k0);
-                decode_panel(w0, w0 + K, sz0, sz0 + G * 16, k0, kc, bp);
-                for (int b = 0; b < blocks; ++b)
-                    micro(ap + (static_cast<int64_t>(b) * K + k0) * MR, bp, kc, y + b * MR * y_stride + NR * p, y_stride,
-                          std::min(MR, T - b * MR), k0 == 0);
+        for (int b0 = 0; b0 < blocks; b0 += MB) {            // MB row blocks at a time: their rows stay in L2
+            const int b1 = std::min(blocks, b0 + MB);
+            #pragma omp for schedule(static)
+            for (int p = 0; p < N / NR; ++p) {
+                if (bp == nullptr) continue;
+                const uint32_t* w0 = w + static_cast<int64_t>(2 * p) * K;
+                const float* sz0 = sz + static_cast<int64_t>(2 * p) * G * 16;
+                for (int k0 = 0; k0 < K; k0 += KC) {
+                    const int kc = std::min(KC, K - k0);
+                    decode_panel(w0, w0 + K, sz0, sz0 + G * 16, k0, kc, bp);
+                    for (int b = b0; b < b1; ++b)
+                        micro(ap + (static_cast<int64_t>(b) * K + k0) * MR, bp, kc, y + b * MR * y_stride + NR * p,
+                              y_stride, std::min(MR, T - b * MR), k0 == 0);
+                }
             }
         }
         std::free(bp);
