@@ -19,7 +19,10 @@ compute-bound). Measured on a 2-core AVX-512 BF16 CPU over the 120 projections o
 in memory, per step, casts included: int4 4.95 / 8.1 / 13.7 / 18.9 / 24.7 / 87 ms at 1 / 4 / 8 / 10 / 16 / 64
 rows against bfloat16's 11.5 / 14.5 / 16.0 / 17.7 / 21.1 / 44.7 ms (the crossover moves by a row or two
 from run to run); on an AVX2 CPU, whose bfloat16 GEMM is emulated (8x slower than float32), the dense GEMM
-is float32 and the crossover 16 rows (kernels/quant_gemm.py, DENSE_DTYPE and DENSE_FROM_ROWS). Every
+is float32 and the crossover 16 rows (kernels/quant_gemm.py, DENSE_DTYPE and DENSE_FROM_ROWS); there a GGUF
+Q4 layer's wide decode steps take our own int4 GEMM instead (kernels/cpu/int4_gemm.py gemm_wide: a panel of
+the 4-bit weights decoded to float32 in L1 for all of a step's rows, 1.2x oneDNN's float32 GEMM at 64 rows
+with the weights cold), and only prompt chunks read the dense copy. Every
 quantized layer therefore also keeps its weight dense (bfloat16, 2 bytes a parameter: 212 MB for SmolLM2's
 layers; float32 on AVX2, 424 MB), reordered once into oneDNN's blocked layout; the head keeps an int8 copy
 instead (28 MB, Int8ActHead), or a dense one where oneDNN's int8 kernel is missing.
