@@ -51,11 +51,12 @@ def test_int4_gemm_equals_the_dequantized_product(variant: CpuKernels, rows: int
         assert torch.equal(variant.int4.gemm(x[t:t + 1], w, sz)[0], y[t])
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 64, 100])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 64, 100, 151])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 352), (960, 576), (576, 1536)])
 def test_wide_int4_gemm_equals_the_dequantized_product(variant: CpuKernels, rows: int, shape: tuple[int, int]) -> None:
-    """gemm_wide: row blocks of six with a ragged last one, K in panels of up to 320 (352 and 1,536: a shorter
-    last panel, its sums added onto the first ones'), against the float64 product."""
+    """gemm_wide: row blocks of six with a ragged last one (151 rows: passes of 144 rows and of 7), K in panels
+    of up to 320 (352 and 1,536: a shorter last panel, its sums added onto the first ones'), against the float64
+    product."""
     n, k = shape
     q, scale, zero, dense = weights(n, k, seed=3 * n + rows)
     w, sz = int4_gemm.pack(q, scale, zero)
