@@ -15,7 +15,7 @@ from service import flags
 from service.config import ServiceConfig
 from service.middleware.cross_site import Hosts, host_name
 from tests.helpers.compose_cluster import Cluster, compose, engine_args, interpolate
-from tests.helpers.router_process import ENTRYPOINT, ReplicaPorts
+from tests.helpers.router_process import ENTRYPOINT, ReplicaPorts, ephemeral_low
 from tests.helpers.server import ROOT, http
 
 
@@ -82,6 +82,16 @@ def test_engine_args_are_the_compose_command(tiny_llama_dir: Path) -> None:
     assert "--host" not in args and "--port" not in args and str(tiny_llama_dir) in args
     assert KVEventsConfig.from_json(args[args.index("--kv-events-config") + 1]).endpoint == \
         f"tcp://127.0.0.1:{ports.events * 10 + 2}"
+
+
+def test_replica_ports_stay_below_the_ephemeral_range() -> None:
+    """The replicas' ports are chosen free, then bound seconds later by servers still loading: inside the kernel's
+    ephemeral range, a replica's own outgoing connection could take one first (a CI run failed so)."""
+    low = ephemeral_low()
+    for _ in range(20):
+        ports = ReplicaPorts(3)
+        chosen = [base * 10 + i for base in (ports.http, ports.events, ports.replay) for i in (1, 2, 3)]
+        assert len(set(chosen)) == 9 and all(10000 < p < low for p in chosen)
 
 
 def test_compose_commands_run(tiny_llama_dir: Path) -> None:

@@ -34,14 +34,25 @@ def _free(port: int) -> bool:
     return True
 
 
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections and bind(0) take theirs from it)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 class ReplicaPorts:
-    """Three port bases (HTTP, KV events, KV replay), each with <base>1..<base>n free (n <= 9)."""
+    """Three port bases (HTTP, KV events, KV replay), each with <base>1..<base>n free (n <= 9), all below the
+    ephemeral range: a port free when chosen there could be taken by any outgoing connection (a replica's own
+    Redis client) before its replica binds it (seen: "KV events: cannot open ...: Address already in use")."""
 
     def __init__(self, n: int) -> None:
         assert 1 <= n <= 9
         bases: list[int] = []
+        top = min(6000, ephemeral_low() // 10)            # ports 10001 .. below the ephemeral range
         while len(bases) < 3:
-            base = random.randrange(2000, 6000)           # ports 20001..59999
+            base = random.randrange(1000, top)
             if base not in bases and all(_free(base * 10 + i) for i in range(1, n + 1)):
                 bases.append(base)
         self.n = n
