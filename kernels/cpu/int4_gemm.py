@@ -88,15 +88,17 @@ class Int4Gemm:
         self.path: str = lib.prefixserve_int4_gemm_path().decode()      # the loops it runs: avx2, generic
 
     def gemm(self, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-        nb, k = w.shape
-        assert w.dtype == torch.int32 and w.is_contiguous()
-        return self._call(self._lib.prefixserve_int4_gemm, "int4_gemm", x, w, sz, nb, k)
+        return self._call_int4(self._lib.prefixserve_int4_gemm, "int4_gemm", x, w, sz)
 
     def gemm_wide(self, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         """gemm's product, computed as wide steps want it (the module's docstring)."""
+        return self._call_int4(self._lib.prefixserve_int4_gemm_wide, "int4_gemm_wide", x, w, sz)
+
+    def _call_int4(self, fn: Any, name: str, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        """gemm's and gemm_wide's call: w as `pack` made it."""
         nb, k = w.shape
         assert w.dtype == torch.int32 and w.is_contiguous()
-        return self._call(self._lib.prefixserve_int4_gemm_wide, "int4_gemm_wide", x, w, sz, nb, k)
+        return self._call(fn, name, x, w, sz, nb, k)
 
     def gemm_q8(self, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         """x [T, K] float32 @ W^T with x quantized to int8 per group of 32 of a row, W as pack_u8 (weights) and
