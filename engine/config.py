@@ -49,6 +49,11 @@ class EngineConfig:
     kv_cache_memory_gb: float = knob(1.0, "KV cache budget in GiB, used when --num-kv-blocks is not given")
     max_num_seqs: int = knob(128, "most sequences in one step's batch")
     max_num_batched_tokens: int = knob(2048, "most tokens in one step's batch (prefill chunks are cut to fit)")
+    decode_prefill_cost: int = knob(256, "a step that carries decodes admits new prompts only up to this cost, at "
+                                         "least one: prompt tokens counted with their attention over the context "
+                                         "(a token after c others costs 1 + c / C, C the model's context length "
+                                         "whose attention equals a token's projections); 0: no cap "
+                                         "(engine/sched/scheduler.py)")
     max_model_len: int | None = knob(None, "context length cap (default: the model's)")
     max_num_waiting: int = knob(1024, "waiting queue cap, per tenant (each API key or group; one without keys): "
                                       "beyond it that tenant's requests are refused (HTTP 429)")
@@ -129,6 +134,7 @@ class EngineConfig:
             (self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0"),
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.decode_prefill_cost >= 0, "decode_prefill_cost must be >= 0"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
             (self.max_num_waiting >= 1, "max_num_waiting must be >= 1"),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),

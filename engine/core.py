@@ -132,7 +132,8 @@ class EngineCore:
                                                         args.head_dim), dtype, root_hash(loaded.fingerprint),
                                 self._tier_namespace(), max_load_blocks=max(1, num_blocks // 2))
         self.pool.spill = self.tier
-        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens, self.tier)
+        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens, self.tier,
+                                   config.decode_prefill_cost, args.context_weight)
         self.runner = ModelRunner(loaded.model, self.kv_cache, attention, config.device, self.manager)
         if config.compile_decode:
             took = self.runner.compile_decode(config.max_num_seqs)

@@ -68,6 +68,15 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
 
+    @property
+    def context_weight(self) -> float:
+        """A context token's attention work for one new token against that token's projections' (multiply-adds:
+        scores and values, 2 x heads x head_dim a layer, against the q/k/v/o and MLP weights): 1 / 3,072 for
+        SmolLM2-135M, so at 3,072 tokens of context a prompt token costs twice its projections."""
+        q, kv, h, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size, \
+            self.intermediate_size
+        return 2 * q / (h * (q + 2 * kv) + q * h + 3 * h * i)
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
         archs = cfg.get("architectures") or []

@@ -13,7 +13,16 @@ Each step, in this order, under the budgets `max_num_seqs` and `max_num_batched_
   4. waiting sequences, round-robin between tenants, first come first served within one (engine/sched/
      queues.py): their prompt is looked up in the prefix cache and only the rest is scheduled (a chunk of it
      if the budget is short); one whose next prompt block another running sequence is computing waits for it
-     (in-flight dedupe) and lets the next ones go.
+     (in-flight dedupe) and lets the next ones go. In a step that carries decodes, new prompts come in only
+     up to `decode_prefill_cost` (below), at least one.
+The prefill cost cap: a step that carries running decodes admits new prompts (phase 4) only while the step's
+prefill work stays within `decode_prefill_cost` "token equivalents": a chunk of n tokens after c computed
+ones costs n (1 + (c + n / 2) w), its projections plus its attention over the context, w being the model's
+attention work a context token against its projections' a token (`context_weight`). The first prompt of a step
+with no prefill work yet comes in whatever its cost. Without the cap, 16 questions after one long shared system
+prompt that arrive together are all prefilled in one step of seconds, so every one of them waits for all of
+them, they finish together and the next 16 arrive together again; with it they come in one or two a step
+between the decodes, and their successors arrive spread out (README, Scheduling policy, has the measurements).
 A sequence samples a token in a step iff that step's chunk reaches its last token. A tenant is an opaque key
 on each request (`Sequence.tenant`, "" by default): with one tenant, 2 never preempts and 4 is plain FCFS.
 
@@ -55,13 +64,20 @@ class SchedulerOutput:
         return sum(s.num_new for s in self.scheduled)
 
 
+def _is_prefill(s: ScheduledSeq) -> bool:
+    """Prompt work (a chunk, or a preempted sequence computing its tokens again), not a decode."""
+    return s.num_new > 1 or s.seq.num_computed < s.seq.num_prompt_tokens
+
+
 class Scheduler:
     def __init__(self, manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 tier: KVTier | None = None) -> None:
+                 tier: KVTier | None = None, decode_prefill_cost: int = 0, context_weight: float = 0.0) -> None:
         self.manager = manager
         self.tier = tier
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_prefill_cost = decode_prefill_cost      # 0: no cap (the module docstring)
+        self.context_weight = context_weight
         self.waiting = TenantQueues()
         self.running: list[Sequence] = []          # kept sorted by arrival (oldest first)
         self.num_preemptions = 0
@@ -145,6 +161,7 @@ class Scheduler:
         deferred: set[int] = set()
         if self.tier is not None and self.waiting:
             self.tier.install_finished(self.manager.pool, keep_free=self.watermark)
+        cost_left = self._cost_left(out) if self.decode_prefill_cost else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             head = self.waiting.next(deferred)
             if head is None:
@@ -157,6 +174,11 @@ class Scheduler:
             if len(unit) == 1 and (self._waits_for_tier(seq, hit) or self._waits_for_inflight(seq, hit)):
                 deferred.add(seq.seq_id)
                 continue
+            if cost_left is not None:
+                cost = len(unit) * self.prefill_cost(hit.num_tokens, min(seq.num_tokens - hit.num_tokens, budget))
+                if cost > cost_left and any(_is_prefill(s) for s in out.scheduled):
+                    break                       # the cap is spent (FCFS: nobody overtakes it)
+                cost_left -= cost
             took = self._admit_unit(unit, seq, hit, budget, out, scheduled_ids)
             if took is not None:
                 budget -= took
@@ -174,6 +196,18 @@ class Scheduler:
         out.copies = self.manager.pending_copies
         self.manager.pending_copies = []
         return out
+
+    def prefill_cost(self, computed: int, n: int) -> float:
+        """A prefill chunk's cost in token equivalents: n tokens after `computed` ones (the module docstring)."""
+        return n * (1.0 + (computed + n / 2) * self.context_weight)
+
+    def _cost_left(self, out: SchedulerOutput) -> float | None:
+        """What phase 4 may still admit: None (no cap) in a step without decodes, else the cap less the prefill
+        work phases 2 and 3 scheduled."""
+        if all(_is_prefill(s) for s in out.scheduled):
+            return None
+        return self.decode_prefill_cost - sum(self.prefill_cost(s.seq.num_computed, s.num_new)
+                                              for s in out.scheduled if _is_prefill(s))
 
     def _admit_starved(self, budget: int, out: SchedulerOutput, scheduled_ids: set[int]) -> int:
         """Phase 2 (the module docstring): each tenant with work waiting and nothing running gets its first

@@ -19,9 +19,10 @@ from engine.sequence import SamplingParams, Sequence, Status
 B = 4
 
 
-def make(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64, caching: bool = True) -> Scheduler:
+def make(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64, caching: bool = True, cost: int = 0,
+         weight: float = 0.0) -> Scheduler:
     pool = BlockPool(num_blocks)
-    return Scheduler(BlockManager(pool, B, "fp", caching), max_num_seqs, budget)
+    return Scheduler(BlockManager(pool, B, "fp", caching), max_num_seqs, budget, None, cost, weight)
 
 
 _ids = iter(range(10**9))
@@ -138,12 +139,64 @@ def test_prefix_hit_schedules_only_the_rest() -> None:
     assert plan(step(s)) == [(c.request_id, 4, True)] and c.num_cached_tokens == 8
 
 
+def test_a_step_with_decodes_admits_new_prompts_up_to_the_cost_cap_at_least_one() -> None:
+    s = make(budget=100, cost=10)
+    first = seq(6, first=0)
+    s.add(first)
+    step(s)                                                          # first decodes from now on
+    later = [seq(6, first=100 * (i + 1)) for i in range(3)]
+    for q in later:
+        s.add(q)
+    # 6 + 6 would pass the cap of 10: one new prompt a step beside the decode, the others wait in order
+    assert plan(step(s)) == [(first.request_id, 1, True), (later[0].request_id, 6, True)]
+    assert plan(step(s)) == [(first.request_id, 1, True), (later[0].request_id, 1, True),
+                             (later[1].request_id, 6, True)]
+    big = seq(30, first=900)                                         # alone it passes the cap: it comes in whole
+    s.add(big)
+    assert [x.seq.request_id for x in step(s).scheduled if x.num_new > 1] == [later[2].request_id]
+    assert [(x.seq.request_id, x.num_new) for x in step(s).scheduled if x.num_new > 1] == [(big.request_id, 30)]
+
+
+def test_without_decodes_the_cost_cap_does_not_apply() -> None:
+    s = make(budget=100, cost=10)
+    qs = [seq(6, first=100 * i) for i in range(4)]
+    for q in qs:
+        s.add(q)
+    assert plan(step(s)) == [(q.request_id, 6, True) for q in qs]   # nothing decodes yet: the token budget only
+
+
+def test_the_cost_of_a_prompt_counts_its_attention_over_the_cached_prefix() -> None:
+    # weight 1/8: after a 16-token cached prefix, a 4-token rest costs 4 (1 + (16 + 2) / 8) = 13
+    s = make(budget=100, cost=14, weight=1 / 8)
+    assert s.prefill_cost(16, 4) == 13 and s.prefill_cost(0, 4) == 5
+    owner = seq(17, max_tokens=50)
+    s.add(owner)
+    step(s)                                                          # its 4 full blocks are cached; it decodes
+    a, b = seq(20), seq(20)                                          # the same first 16 tokens, then 4 of their own
+    for i, q in enumerate((a, b)):
+        q.token_ids[16:] = [500 + 10 * i + j for j in range(4)]
+        s.add(q)
+    out = step(s)
+    assert [(x.seq.request_id, x.num_new) for x in out.scheduled if x.num_new > 1] == [(a.request_id, 4)]
+    assert a.num_cached_tokens == 16                                  # b (13 more) would pass the cap: next step
+    assert [(x.seq.request_id, x.num_new) for x in step(s).scheduled if x.num_new > 1] == [(b.request_id, 4)]
+    s2 = make(budget=100, cost=14)                                   # weight 0: the same two cost 4 each
+    owner2 = seq(17, max_tokens=50)
+    s2.add(owner2)
+    step(s2)
+    c, d = seq(20), seq(20)
+    for i, q in enumerate((c, d)):
+        q.token_ids[16:] = [500 + 10 * i + j for j in range(4)]
+        s2.add(q)
+    assert [x.seq.request_id for x in step(s2).scheduled if x.num_new > 1] == [c.request_id, d.request_id]
+
+
 @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=14),
-       st.integers(8, 40), st.integers(1, 6), st.integers(4, 48))
+       st.integers(8, 40), st.integers(1, 6), st.integers(4, 48), st.sampled_from([0, 1, 8, 64]))
 def test_random_workloads_all_finish_within_budgets(reqs: list[tuple[int, int, int]], num_blocks: int,
-                                                   max_num_seqs: int, budget: int) -> None:
-    s = make(num_blocks=num_blocks, max_num_seqs=max_num_seqs, budget=budget)
+                                                   max_num_seqs: int, budget: int, cost: int) -> None:
+    s = make(num_blocks=num_blocks, max_num_seqs=max_num_seqs, budget=budget, cost=cost, weight=1 / 16)
     seqs = [seq(p, m, first=1000 * f) for p, m, f in reqs]       # f: a few shared prefixes
     for q in seqs:
         s.add(q)
