@@ -162,6 +162,7 @@ class Scheduler:
         if self.tier is not None and self.waiting:
             self.tier.install_finished(self.manager.pool, keep_free=self.watermark)
         cost_left = self._cost_left(out) if self.decode_prefill_cost else None
+        prefilling = any(_is_prefill(s) for s in out.scheduled)   # the cap lets a step's first prompt in whole
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             head = self.waiting.next(deferred)
             if head is None:
@@ -176,12 +177,13 @@ class Scheduler:
                 continue
             if cost_left is not None:
                 cost = len(unit) * self.prefill_cost(hit.num_tokens, min(seq.num_tokens - hit.num_tokens, budget))
-                if cost > cost_left and any(_is_prefill(s) for s in out.scheduled):
+                if cost > cost_left and prefilling:
                     break                       # the cap is spent (FCFS: nobody overtakes it)
                 cost_left -= cost
             took = self._admit_unit(unit, seq, hit, budget, out, scheduled_ids)
             if took is not None:
                 budget -= took
+                prefilling = prefilling or took > 0
                 self.waiting.served(seq.tenant)
                 continue
             if not self.running and not out.scheduled:

@@ -89,3 +89,19 @@ def test_the_fingerprint_covers_the_weights(tiny_llama_dir: Path, tmp_path: Path
     cache = json.loads((tmp_path / "cache" / "prefixserve" / "weights-digests.json").read_text())
     assert str(weights.resolve()) in cache
     assert weights_digest(tuned) == weights_digest(tuned, tmp_path / "elsewhere")   # cached or not: one digest
+
+
+def test_context_weight_is_attention_against_the_projections_multiply_adds(tiny_llama_dir: Path) -> None:
+    """The scheduler's prefill cost (engine/sched/scheduler.py) weighs a context token by this: one new token's
+    attention multiply-adds over one context token (scores and values: 2 x heads x head_dim a layer) against
+    that token's projection multiply-adds, counted here from the model's own weights."""
+    llm = LLM(str(tiny_llama_dir), block_size=8, num_kv_blocks=64)
+    args, model = llm.engine.loaded.args, llm.engine.loaded.model
+    projections = sum(p.numel() for name, p in model.named_parameters()
+                      if name.endswith("proj.weight") and ".layers." in f".{name}")
+    attention = 2 * args.num_heads * args.head_dim * args.num_layers
+    assert projections > 0
+    assert args.context_weight == pytest.approx(attention / projections, rel=1e-12)
+    assert llm.engine.core.scheduler.context_weight == args.context_weight
+    assert llm.engine.core.scheduler.decode_prefill_cost == 256
+    assert ModelArgs("LlamaForCausalLM", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e4).context_weight == 1 / 3072
