@@ -161,8 +161,12 @@ class Scheduler:
         deferred: set[int] = set()
         if self.tier is not None and self.waiting:
             self.tier.install_finished(self.manager.pool, keep_free=self.watermark)
-        cost_left = self._cost_left(out) if self.decode_prefill_cost else None
-        prefilling = any(_is_prefill(s) for s in out.scheduled)   # the cap lets a step's first prompt in whole
+        # the prefill cost cap (module docstring): only in a step with decodes, less phases 2 and 3's prefill work;
+        # a step's first prompt comes in whole
+        prefill = [s for s in out.scheduled if _is_prefill(s)]
+        prefilling = bool(prefill)
+        cost_left = self.decode_prefill_cost - sum(self.prefill_cost(s.seq.num_computed, s.num_new) for s in prefill) \
+            if self.decode_prefill_cost and len(prefill) < len(out.scheduled) else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             head = self.waiting.next(deferred)
             if head is None:
@@ -202,14 +206,6 @@ class Scheduler:
     def prefill_cost(self, computed: int, n: int) -> float:
         """A prefill chunk's cost in token equivalents: n tokens after `computed` ones (the module docstring)."""
         return n * (1.0 + (computed + n / 2) * self.context_weight)
-
-    def _cost_left(self, out: SchedulerOutput) -> float | None:
-        """What phase 4 may still admit: None (no cap) in a step without decodes, else the cap less the prefill
-        work phases 2 and 3 scheduled."""
-        if all(_is_prefill(s) for s in out.scheduled):
-            return None
-        return self.decode_prefill_cost - sum(self.prefill_cost(s.seq.num_computed, s.num_new)
-                                              for s in out.scheduled if _is_prefill(s))
 
     def _admit_starved(self, budget: int, out: SchedulerOutput, scheduled_ids: set[int]) -> int:
         """Phase 2 (the module docstring): each tenant with work waiting and nothing running gets its first
