@@ -282,6 +282,7 @@ class EngineCore:
             for s in sched.scheduled:
                 if s.seq.seq_id in exc.seq_ids and s.seq.group is not None and self.abort(s.seq.request_id, exc):
                     out.touch(s.seq.group)
+            self.scheduler.undo_joins(sched)    # nothing was written: blocks shared in-step are not there
             return out
         logits = step_logits.sample
         if step_logits.extra is not None:

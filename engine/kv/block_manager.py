@@ -114,13 +114,16 @@ class BlockManager:
                  prompt_hashes: Seq[BlockHash] = (), salt: CacheSalt = ()) -> bool:
         """Start a sequence's table: take the hit blocks, then new blocks for `num_tokens` tokens.
         `prompt_hashes`: its prompt's full blocks; those past the hit that nobody computes yet are marked
-        in flight, computed by this sequence. `salt`: what its hashes mix in (block_pool.CacheSalt)."""
+        in flight, computed by this sequence. Hit blocks without a hash yet (another sequence writes them in
+        this step) take theirs from `prompt_hashes`. `salt`: what its hashes mix in (block_pool.CacheSalt)."""
         assert seq_id not in self._seqs, f"sequence {seq_id} already has blocks"
         if self.blocks_needed(seq_id, num_tokens, hit) > self.pool.num_free:
             return False
         self.pool.touch(hit.blocks)
         state = SeqBlocks(blocks=list(hit.blocks), num_cached_blocks=len(hit.blocks), salt=salt)
-        state.hashes = [blk.block_hash for blk in hit.blocks]  # type: ignore[misc]
+        # a block another sequence computes this very step (`block_at`) has no hash yet: its hash is the prompt's
+        state.hashes = [blk.block_hash if blk.block_hash is not None else prompt_hashes[i]  # type: ignore[misc]
+                        for i, blk in enumerate(hit.blocks)]
         self._seqs[seq_id] = state
         if self.placement is not None:
             self.placement.attach(seq_id, [blk.block_id for blk in hit.blocks])
@@ -136,6 +139,11 @@ class BlockManager:
     def in_flight(self, block_hash: BlockHash) -> int | None:
         """The running sequence computing this block for the cache now, if one is."""
         return self._inflight.get(block_hash)
+
+    def block_at(self, seq_id: int, index: int) -> Block:
+        """The sequence's block at `index` of its table: for a prompt that joins the step computing a block it
+        shares (the scheduler's in-step sharing), which `allocate` then takes as part of a `PrefixHit`."""
+        return self._seqs[seq_id].blocks[index]
 
     def grow(self, seq_id: int, num_tokens: int, write_from: int | None = None) -> bool:
         """Make room for `num_tokens` tokens in all. If the block that position `write_from` falls in

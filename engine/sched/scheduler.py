@@ -12,9 +12,17 @@ Each step, in this order, under the budgets `max_num_seqs` and `max_num_batched_
      when blocks are short; with no block at all, a victim is preempted);
   4. waiting sequences, round-robin between tenants, first come first served within one (engine/sched/
      queues.py): their prompt is looked up in the prefix cache and only the rest is scheduled (a chunk of it
-     if the budget is short); one whose next prompt block another running sequence is computing waits for it
-     (in-flight dedupe) and lets the next ones go. In a step that carries decodes, new prompts come in only
-     up to `decode_prefill_cost` (below), at least one.
+     if the budget is short). Prompt blocks another sequence is computing (in flight) are never computed
+     twice: where that sequence's chunk in this very step finishes them, the prompt shares them at once and
+     computes only what follows, in the same step (in-step sharing, below); where it does not, the prompt
+     waits for them (in-flight dedupe) and lets the next ones go. In a step that carries decodes, new prompts
+     come in only up to `decode_prefill_cost` (below), at least one.
+In-step sharing: a layer writes the step's K / V into the cache before any of its attention reads it (every
+backend's `attend`), so a prompt whose blocks 0..j-1 another sequence writes in this step can attend to them in
+the same step. Sixteen questions after a cold 3,072-token system prompt thus get their first tokens from the step
+that ends the prompt's computation, instead of waiting for it and coming in one or two a step after it. The
+blocks are shared by reference at admission and hashed by their writer's commit; if the step does not run
+(the KV backend refused it), the sharers are preempted (`undo_joins`): they would read blocks never written.
 The prefill cost cap: a step that carries running decodes admits new prompts (phase 4) only while the step's
 prefill work stays within `decode_prefill_cost` "token equivalents": a chunk of n tokens after c computed
 ones costs n (1 + (c + n / 2) w), its projections plus its attention over the context, w being the model's
@@ -58,6 +66,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)     # can never fit the cache: finished with an error
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies (src, dst)
+    joined: list[Sequence] = field(default_factory=list)   # prompts sharing blocks this step writes (in-step sharing)
 
     @property
     def num_tokens(self) -> int:
@@ -175,10 +184,13 @@ class Scheduler:
             unit = self._unit(seq)
             if len(self.running) + len(unit) > self.max_num_seqs:
                 break
-            hit = self._lookup(seq)
-            if len(unit) == 1 and (self._waits_for_tier(seq, hit) or self._waits_for_inflight(seq, hit)):
+            cached = self._lookup(seq)
+            shared = cached if len(unit) > 1 else \
+                None if self._waits_for_tier(seq, cached) else self._inflight_hit(seq, cached, out)
+            if shared is None:
                 deferred.add(seq.seq_id)
                 continue
+            hit = shared
             if cost_left is not None:
                 cost = len(unit) * self.prefill_cost(hit.num_tokens, min(seq.num_tokens - hit.num_tokens, budget))
                 if cost > cost_left and prefilling:
@@ -186,6 +198,8 @@ class Scheduler:
                 cost_left -= cost
             took = self._admit_unit(unit, seq, hit, budget, out, scheduled_ids)
             if took is not None:
+                if hit is not cached:
+                    out.joined.append(seq)
                 budget -= took
                 prefilling = prefilling or took > 0
                 self.waiting.served(seq.tenant)
@@ -223,8 +237,8 @@ class Scheduler:
             seq = self.waiting.queue(tenant)[0]
             unit = self._unit(seq)
             hit = self._lookup(seq)
-            if len(unit) == 1 and self._waits_for_inflight(seq, hit):
-                continue                        # its block is being computed: it is not starved of it
+            if len(unit) == 1 and self._inflight_hit(seq, hit, out) is not hit:
+                continue            # its block is being computed: it is not starved of it (phase 4 shares or waits)
             took: int | None = None
             while True:
                 if len(self.running) + len(unit) <= self.max_num_seqs:
@@ -339,17 +353,41 @@ class Scheduler:
         seq.tier_load, seq.tier_checked = None, True
         return False
 
-    def _waits_for_inflight(self, seq: Sequence, hit: PrefixHit) -> bool:
-        """Its next prompt block is being computed by another running sequence (in-flight dedupe). It never
-        waits on itself, nor on a block nobody computes: an owner that finishes, is aborted or preempted
-        drops its claim (BlockManager.free), and the waiter computes the block itself."""
+    def _inflight_hit(self, seq: Sequence, hit: PrefixHit, out: SchedulerOutput) -> PrefixHit | None:
+        """In-flight dedupe and in-step sharing (the module docstring). `hit` (the prompt's cached blocks) goes on
+        with the prompt blocks that other sequences compute in this step, as far as their chunks finish them;
+        None where the next block after those is one another sequence computes but does not finish in this
+        step: the prompt waits for it rather than compute it again. It never waits on itself, nor on a block
+        nobody computes: an owner that finishes, is aborted or preempted drops its claim (BlockManager.free),
+        and the waiter computes the block itself."""
         if not self.manager.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return False
-        nxt = len(hit.blocks)
-        if nxt >= seq.num_prompt_tokens // self.manager.block_size or nxt >= len(seq.block_hashes):
-            return False
-        owner = self.manager.in_flight(seq.block_hashes[nxt])
-        return owner is not None and owner != seq.seq_id
+            return hit
+        b = self.manager.block_size
+        # as the cache lookup: whole prompt blocks before the last token (a prompt computes that one itself)
+        limit = min((seq.num_tokens - 1) // b, seq.num_prompt_tokens // b, len(seq.block_hashes))
+        blocks = list(hit.blocks)
+        ends: dict[int, ScheduledSeq | None] = {}
+        while len(blocks) < limit:
+            i = len(blocks)
+            owner = self.manager.in_flight(seq.block_hashes[i])
+            if owner is None or owner == seq.seq_id:
+                break
+            if owner not in ends:
+                ends[owner] = next((s for s in out.scheduled if s.seq.seq_id == owner), None)
+            writer = ends[owner]
+            if writer is None or writer.seq.num_computed + writer.num_new < (i + 1) * b:
+                return None
+            if writer.seq.token_ids[i * b:(i + 1) * b] != seq.token_ids[i * b:(i + 1) * b]:
+                break                           # a hash collision (never seen with blake2b): computed apart
+            blocks.append(self.manager.block_at(owner, i))
+        return hit if len(blocks) == len(hit.blocks) else PrefixHit(tuple(blocks), len(blocks) * b)
+
+    def undo_joins(self, out: SchedulerOutput) -> None:
+        """The step did not run (the KV backend refused it: EngineCore): a prompt that shares blocks this step was
+        to write would read them unwritten later, so it goes back to the front of its queue, as if preempted."""
+        for seq in out.joined:
+            if seq.status is Status.RUNNING:
+                self._preempt(seq, out, set())
 
     def _victim(self, scheduled_ids: set[int], exclude: str | None = None, unscheduled_only: bool = False,
                 keep_one: bool = False) -> Sequence | None:

@@ -3,10 +3,13 @@ shared steps, block sizes 16 / 8 / 1, prefix cache cold and warm, and preemption
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
+import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
+from engine.llm_engine import LLMEngine
 
 MAX_NEW = 12
 
@@ -64,3 +67,33 @@ def test_greedy_parity_with_triton_backend(reference) -> None:
     assert got == [expected[i] for i in few]
     got = [o.outputs[0].token_ids for o in llm.generate([prompts[9]], GREEDY)]  # warm: prefill over cached prefix
     assert got == [expected[9]]
+
+
+@pytest.mark.parametrize("kv_backend", ["paged", "vattention"])
+def test_greedy_parity_sharing_a_prefix_in_the_step_that_computes_it(tiny_model_dir: Path, kv_backend: str) -> None:
+    """In-step sharing: prompts with a common prefix of several blocks, submitted together, all have their first
+    token after one step (the later ones attend to the prefix blocks the first one writes in that very step),
+    and every token is transformers' greedy one."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    rng = random.Random(11)
+    vocab = hf.config.vocab_size
+    prefix = [rng.randrange(3, vocab) for _ in range(72)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(k)] for k in (5, 9, 1)]
+    expected = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                            pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+                for p in prompts]
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_backend=kv_backend, block_size=8,
+                                    num_kv_blocks=256, max_num_batched_tokens=256))
+    bs = engine.core.block_size
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    outs = {o.request_id: o for o in engine.step()}
+    assert sorted(outs) == ["0", "1", "2"] and all(len(o.outputs[0].token_ids) == 1 for o in outs.values())
+    assert [outs[str(i)].num_cached_tokens for i in range(3)] == [0, 72 // bs * bs, 72 // bs * bs]
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].merge(o)
+    assert [outs[str(i)].outputs[0].token_ids for i in range(3)] == expected
+    assert engine.stats().kv_blocks_used == 0

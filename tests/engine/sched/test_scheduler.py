@@ -34,8 +34,10 @@ def seq(prompt_len: int, max_tokens: int = 100, first: int = 0) -> Sequence:
     return Sequence(sid, f"r{sid}", toks, SamplingParams(max_tokens=max_tokens), arrival=sid, max_tokens=max_tokens)
 
 
-def step(s: Scheduler) -> SchedulerOutput:
+def step(s: Scheduler, kv: dict[int, tuple[int, ...]] | None = None) -> SchedulerOutput:
     out = s.schedule()
+    if kv is not None:
+        write_and_read(s, out, kv)
     s.update(out)
     for item in out.scheduled:
         if item.sample:
@@ -43,6 +45,24 @@ def step(s: Scheduler) -> SchedulerOutput:
             if item.seq.num_output_tokens >= item.seq.max_tokens:
                 s.remove(item.seq)
     return out
+
+
+def write_and_read(s: Scheduler, out: SchedulerOutput, kv: dict[int, tuple[int, ...]]) -> None:
+    """What the model does with a step's cache, on a stand-in cache `kv` (cache row -> what its K / V are a
+    function of: the tokens up to its position): the block copies, then every chunk's K / V written, then each
+    chunk's attention reading its whole context, which must be there, whoever wrote it (in-step sharing)."""
+    for src, dst in out.copies:
+        for o in range(B):
+            if src * B + o in kv:
+                kv[dst * B + o] = kv[src * B + o]
+    for x in out.scheduled:
+        table = s.manager.block_table(x.seq.seq_id)
+        for p in range(x.seq.num_computed, x.seq.num_computed + x.num_new):
+            kv[table[p // B] * B + p % B] = tuple(x.seq.token_ids[:p + 1])
+    for x in out.scheduled:
+        table = s.manager.block_table(x.seq.seq_id)
+        for p in range(x.seq.num_computed + x.num_new):
+            assert kv.get(table[p // B] * B + p % B) == tuple(x.seq.token_ids[:p + 1]), "attends to a row not written"
 
 
 def plan(out: SchedulerOutput) -> list[tuple[str, int, bool]]:
@@ -201,10 +221,11 @@ def test_random_workloads_all_finish_within_budgets(reqs: list[tuple[int, int, i
     for q in seqs:
         s.add(q)
     failed: list[Sequence] = []
+    kv: dict[int, tuple[int, ...]] = {}
     for _ in range(5000):
         if not s.has_unfinished():
             break
-        out = step(s)
+        out = step(s, kv)
         failed += out.failed
         assert out.num_tokens <= budget and len(out.scheduled) <= max_num_seqs
         ids = [x.seq.seq_id for x in out.scheduled]
@@ -228,20 +249,66 @@ def shared(n: int, tail: int, first: int) -> Sequence:
     return Sequence(sid, f"r{sid}", toks, SamplingParams(max_tokens=5), arrival=sid, max_tokens=5)
 
 
-def test_cold_requests_with_one_prefix_compute_it_once() -> None:
-    """In-flight dedupe: three requests arriving together with the same 16-token prefix. The first computes
-    it; the others, which the budget would have admitted beside it to compute the same tokens, wait for
-    its blocks and then compute only their own tails over the cached prefix."""
-    s = make(budget=24)
+def test_cold_requests_with_one_prefix_share_it_in_the_step_that_computes_it() -> None:
+    """In-step sharing: three requests arriving together with the same 16-token prefix. The first computes it;
+    the others share its blocks in the same step (the step writes them before it attends) and compute only
+    their own tails, so all three have their first tokens from that one step."""
+    s = make(budget=25)
     a, b, c = shared(16, 3, 100), shared(16, 3, 200), shared(16, 3, 300)
     for x in (a, b, c):
         s.add(x)
-    assert plan(step(s)) == [(a.request_id, 19, True)]                    # b, c wait for a's blocks
-    assert [x.status for x in (b, c)] == [Status.WAITING, Status.WAITING]
-    out = step(s)                                                          # a's 16 shared tokens are cached
-    assert plan(out) == [(a.request_id, 1, True), (b.request_id, 3, True), (c.request_id, 3, True)]
+    out = step(s)
+    assert plan(out) == [(a.request_id, 19, True), (b.request_id, 3, True), (c.request_id, 3, True)]
+    assert out.joined == [b, c]
     assert (b.num_cached_tokens, c.num_cached_tokens) == (16, 16)
+    table = s.manager.block_table(a.seq_id)
+    assert s.manager.block_table(b.seq_id)[:4] == s.manager.block_table(c.seq_id)[:4] == table[:4]
+    assert [s.manager.pool.blocks[i].ref_count for i in table[:5]] == [3, 3, 3, 3, 1]
     assert s.prefix_queried_tokens - s.prefix_hit_tokens == 19 + 3 + 3   # the prefix once, each tail once
+    assert s.manager.lookup(b.token_ids).num_tokens == 16                # hashed by a's commit
+
+
+def test_a_prompt_waits_for_shared_blocks_the_step_does_not_finish() -> None:
+    """A prefix computed in chunks: a prompt sharing it waits while the step's chunk does not reach the end of
+    the blocks it shares, and comes in with the chunk that does."""
+    s = make(budget=14)
+    a, b = shared(16, 3, 100), shared(16, 3, 200)
+    s.add(a)
+    s.add(b)
+    out = step(s)
+    assert plan(out) == [(a.request_id, 14, False)] and out.joined == []   # a's chunk ends in the shared prefix
+    assert list(s.waiting) == [b]                                          # (inside its last block)
+    out = step(s)
+    assert plan(out) == [(a.request_id, 5, True), (b.request_id, 3, True)] and out.joined == [b]
+    assert b.num_cached_tokens == 16 and s.manager.block_table(b.seq_id)[:4] == s.manager.block_table(a.seq_id)[:4]
+
+
+def test_sharing_stops_where_the_prompts_differ() -> None:
+    """Only whole blocks that both prompts hold token for token are shared; the rest is computed apart."""
+    s = make(budget=64)
+    a, b = shared(10, 6, 100), shared(10, 6, 200)       # blocks 0, 1 alike; block 2 has tokens of each
+    s.add(a)
+    s.add(b)
+    out = step(s)
+    assert plan(out) == [(a.request_id, 16, True), (b.request_id, 8, True)] and b.num_cached_tokens == 8
+    assert s.manager.block_table(b.seq_id)[:2] == s.manager.block_table(a.seq_id)[:2]
+    assert s.manager.block_table(b.seq_id)[2] != s.manager.block_table(a.seq_id)[2]
+
+
+def test_a_step_that_does_not_run_puts_its_sharers_back() -> None:
+    """The KV backend refused the step (EngineCore): nothing was written, so a prompt sharing blocks that step
+    was to write goes back to the front of the queue, its blocks given back, and shares them later."""
+    s = make(budget=64)
+    a, b = shared(16, 3, 100), shared(16, 3, 200)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert out.joined == [b]
+    s.undo_joins(out)                                    # instead of update: the step never ran
+    assert b.status is Status.WAITING and list(s.waiting) == [b] and b.num_computed == 0
+    assert [s.manager.pool.blocks[i].ref_count for i in s.manager.block_table(a.seq_id)] == [1] * 5
+    out = step(s)                                        # a again (nothing of it is computed), b with it
+    assert plan(out) == [(a.request_id, 19, True), (b.request_id, 3, True)] and out.joined == [b]
 
 
 def test_a_waiter_takes_over_when_the_computing_request_goes_away() -> None:
@@ -255,13 +322,3 @@ def test_a_waiter_takes_over_when_the_computing_request_goes_away() -> None:
     out = step(s)
     assert plan(out) == [(b.request_id, 8, False)] and b.num_cached_tokens == 8   # a's first block was cached
 
-
-def test_a_deferred_request_lets_the_next_ones_go() -> None:
-    s = make(budget=12)
-    a, b, other = shared(8, 1, 100), shared(8, 1, 200), seq(3, first=500)
-    for x in (a, b, other):
-        s.add(x)
-    # b waits for a's in-flight blocks; `other` shares nothing and goes in the same step, then b, at the front
-    assert plan(step(s)) == [(a.request_id, 9, True), (other.request_id, 3, True)]
-    assert list(s.waiting) == [b]
-    assert (b.request_id, 1, True) in plan(step(s)) and b.num_cached_tokens == 8
