@@ -295,6 +295,21 @@ def test_sharing_stops_where_the_prompts_differ() -> None:
     assert s.manager.block_table(b.seq_id)[2] != s.manager.block_table(a.seq_id)[2]
 
 
+def test_a_step_with_a_chunk_under_way_caps_new_prompts_those_sharing_it_too() -> None:
+    """The cost cap applies beside a chunk of a prompt under way as beside decodes: the prompts that would share
+    its blocks in that step come in after it, one within the cap a step (the module docstring says why)."""
+    s = make(budget=14, cost=2)                         # weight 0: a chunk of n tokens costs n
+    a, b, c = shared(16, 3, 100), shared(16, 3, 200), seq(3, first=500)
+    for x in (a, b, c):
+        s.add(x)
+    assert plan(step(s)) == [(a.request_id, 14, False)]                   # nothing decodes: no cap
+    out = step(s)
+    assert plan(out) == [(a.request_id, 5, True)] and out.joined == []    # a's chunk (5) spends the cap (2)
+    assert plan(step(s)) == [(a.request_id, 1, True), (b.request_id, 3, True)]   # the step's first prompt
+    assert b.num_cached_tokens == 16
+    assert plan(step(s)) == [(a.request_id, 1, True), (b.request_id, 1, True), (c.request_id, 3, True)]
+
+
 def test_a_step_that_does_not_run_puts_its_sharers_back() -> None:
     """The KV backend refused the step (EngineCore): nothing was written, so a prompt sharing blocks that step
     was to write goes back to the front of the queue, its blocks given back, and shares them later."""
