@@ -19,22 +19,23 @@ Each step, in this order, under the budgets `max_num_seqs` and `max_num_batched_
      come in only up to `decode_prefill_cost` (below), at least one; so also in a step that carries a chunk of a
      prompt under way (phase 3).
 In-step sharing: a layer writes the step's K / V into the cache before any of its attention reads it (every
-backend's `attend`), so a prompt whose blocks 0..j-1 another sequence writes in this step can attend to them in
-the same step: eight requests that arrive together with one cold 1,024-token prefix all have their first tokens
-from the step that computes it, instead of one then and the others a step or more later. The blocks are shared by reference at admission and hashed by their writer's commit; if the step does not run
-(the KV backend refused it), the sharers are preempted (`undo_joins`): they would read blocks never written.
+backend's `attend`), so a prompt whose blocks 0..j-1 another sequence writes in this step can attend to them in the
+same step: eight requests that arrive together with one cold 1,024-token prefix all have their first tokens from the
+step that computes it, instead of one then and the others a step or more later. The blocks are shared by reference
+at admission and hashed by their writer's commit; if the step does not run (the KV backend refused it), the sharers
+are preempted (`undo_joins`): they would read blocks never written.
 The prefill cost cap: a step that carries running decodes (or a chunk of a prompt under way: below) admits new
-prompts (phase 4) only while the step's prefill work stays within `decode_prefill_cost` "token equivalents": a chunk of n tokens after c computed
-ones costs n (1 + (c + n / 2) w), its projections plus its attention over the context, w being the model's
-attention work a context token against its projections' a token (`context_weight`). The first prompt of a step
-with no prefill work yet comes in whatever its cost. Without the cap, 16 questions after one long shared system
-prompt that arrive together are all prefilled in one step of seconds, so every one of them waits for all of
-them, they finish together and the next 16 arrive together again; with it they come in one or two a step
-between the decodes, and their successors arrive spread out (README, Scheduling policy, has the measurements).
-For the same reason a step that carries a chunk of a prompt under way caps the prompts that share its blocks
-(in-step sharing, above): the 15 questions after a cold 3,072-token system prompt, all sharing the step that
-ends its computation, got their first tokens ~9% sooner at p90, but ended together, and so did their
-successors, whose TTFT p50 came out 2-3x longer (README, Scheduling policy). A step with neither (a prompt admitted whole beside the
+prompts (phase 4) only while the step's prefill work stays within `decode_prefill_cost` "token equivalents": a chunk
+of n tokens after c computed ones costs n (1 + (c + n / 2) w), its projections plus its attention over the context,
+w being the model's attention work a context token against its projections' a token (`context_weight`). The first
+prompt of a step with no prefill work yet comes in whatever its cost. Without the cap, 16 questions after one long
+shared system prompt that arrive together are all prefilled in one step of seconds, so every one of them waits for
+all of them, they finish together and the next 16 arrive together again; with it they come in one or two a step
+between the decodes, and their successors arrive spread out (README, Scheduling policy, has the measurements). For
+the same reason a step that carries a chunk of a prompt under way caps the prompts that share its blocks (in-step
+sharing, above): the 15 questions after a cold 3,072-token system prompt, all sharing the step that ends its
+computation, got their first tokens ~9% sooner at p90, but ended together, and so did their successors, whose TTFT
+p50 came out 2-3x longer (README, Scheduling policy). A step with neither (a prompt admitted whole beside the
 prompts that share it, say) still takes the whole `max_num_batched_tokens`.
 A sequence samples a token in a step iff that step's chunk reaches its last token. A tenant is an opaque key
 on each request (`Sequence.tenant`, "" by default): with one tenant, 2 never preempts and 4 is plain FCFS.
