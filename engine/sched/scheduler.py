@@ -193,12 +193,13 @@ class Scheduler:
             if len(self.running) + len(unit) > self.max_num_seqs:
                 break
             cached = self._lookup(seq)
-            shared = cached if len(unit) > 1 else \
-                None if self._waits_for_tier(seq, cached) else self._inflight_hit(seq, cached, out)
-            if shared is None:
-                deferred.add(seq.seq_id)
-                continue
-            hit = shared
+            hit = cached
+            if len(unit) == 1:      # tier loads and in-step sharing are for single sequences (a beam group computes)
+                shared = None if self._waits_for_tier(seq, cached) else self._inflight_hit(seq, cached, out)
+                if shared is None:
+                    deferred.add(seq.seq_id)
+                    continue
+                hit = shared
             if cost_left is not None:
                 cost = len(unit) * self.prefill_cost(hit.num_tokens, min(seq.num_tokens - hit.num_tokens, budget))
                 if cost > cost_left and prefilling:
