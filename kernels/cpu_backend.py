@@ -24,6 +24,8 @@ context; measured in the README).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.cpu import paged_decode as cpu_decode
@@ -33,6 +35,19 @@ from kernels.torch_backend import TorchAttentionBackend
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 INVARIANT_SPLIT_TOKENS = 512     # the batch-invariant mode's decode split (tokens; a whole number of blocks)
+
+
+@dataclass
+class _MixedRows:
+    """A mixed step's rows (`CpuAttentionBackend._mixed_rows`): the same for every layer of the step."""
+
+    starts: list[int]                                   # query_start_loc
+    prefill: list[int]                                  # the sequences with a prompt chunk
+    rows: torch.Tensor | None = None                    # the decode rows' positions in q (int64), None: none
+    tables: torch.Tensor | None = None                  # their block tables, lengths, the longest
+    lens: torch.Tensor | None = None
+    max_len: int = 0
+    plan: cpu_decode.DecodePlan | None = None           # the decode kernel's plan, where it takes these shapes
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -82,14 +97,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return self._decode_rows(q, key_cache, value_cache, md.block_tables, md.seq_lens, md.max_seq_len, md,
                                 scale).to(dtype)
         out = torch.empty_like(q)
-        starts = md.query_start_loc.tolist()
-        decode = [i for i in range(md.num_seqs) if not md.is_prefill(i)]
-        if decode:
-            index = torch.tensor(decode, dtype=torch.long)
-            rows = torch.tensor([starts[i] for i in decode], dtype=torch.long)
-            out[rows] = self._decode_rows(q[rows].contiguous(), key_cache, value_cache, md.block_tables[index],
-                                     md.seq_lens[index], max(md.seq_lens_list[i] for i in decode), None, scale)
-        prefill = [i for i in range(md.num_seqs) if md.is_prefill(i)]
+        mixed = self._mixed_rows(md, q, key_cache)
+        if mixed.rows is not None:
+            q_rows = q.index_select(0, mixed.rows)
+            if mixed.plan is not None and self.kernels is not None:
+                decoded = self.kernels.decode.attend(q_rows, key_cache, value_cache, mixed.plan, scale)
+            else:
+                assert mixed.tables is not None and mixed.lens is not None
+                decoded = self._decode_rows(q_rows, key_cache, value_cache, mixed.tables, mixed.lens, mixed.max_len,
+                                            None, scale)
+            out.index_copy_(0, mixed.rows, decoded)
+        prefill = mixed.prefill
         if self.kernels is not None and self.kernels.prefill.prefill(
                 q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, prefill, scale, out,
                 cascade=True) is not None:
@@ -101,9 +119,34 @@ class CpuAttentionBackend(TorchAttentionBackend):
             blocks = md.block_tables[i, :nb].long()
             k = key_cache[blocks].flatten(0, 1)[:seq_len].float()          # [seq_len, Hkv, D]
             v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
-            s, e = starts[i], starts[i + 1]
+            s, e = mixed.starts[i], mixed.starts[i + 1]
             out[s:e] = extend_attention(q[s:e], k, v, scale)
         return out.to(dtype)
+
+    def _mixed_rows(self, md: AttentionMetadata, q: torch.Tensor, key_cache: torch.Tensor) -> _MixedRows:
+        """A mixed step's rows, made by its first layer and kept in the step's scratch for the others: the prompt
+        chunks, the decode rows' positions in q, their tables and lengths, and the decode kernel's work plan
+        (numpy, ~0.2 ms for 40 sequences here: once a step, not once a layer)."""
+        mixed = md.scratch.get("cpu_mixed_rows")
+        if mixed is not None:
+            return mixed
+        starts = md.query_start_loc.tolist()
+        decode = [i for i in range(md.num_seqs) if not md.is_prefill(i)]
+        prefill = [i for i in range(md.num_seqs) if md.is_prefill(i)]
+        mixed = _MixedRows(starts, prefill)
+        if decode:
+            index = torch.tensor(decode, dtype=torch.long)
+            block_size = key_cache.shape[1]
+            mixed.rows = torch.tensor([starts[i] for i in decode], dtype=torch.long)
+            mixed.tables = md.block_tables.index_select(0, index).contiguous()
+            mixed.lens = md.seq_lens.index_select(0, index).contiguous()
+            mixed.max_len = max(md.seq_lens_list[i] for i in decode)
+            if self.kernels is not None and cpu_decode.supports(q.shape[1], key_cache.shape[2], q.shape[2],
+                                                                block_size, key_cache.dtype):
+                mixed.plan = cpu_decode.plan(mixed.tables, mixed.lens, None, block_size, cascade=not self.invariant,
+                                             split_blocks=self._split(block_size))
+        md.scratch["cpu_mixed_rows"] = mixed
+        return mixed
 
     def _decode_rows(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,

@@ -148,7 +148,8 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, 
 
 class PagedDecode:
     """The kernel of one build (kernels/cpu/library.py loads it): `write_attend` for a decode step's layer,
-    `decode` for rows whose K / V are already in the cache."""
+    `attend` (a plan made once for a step's rows) and `decode` (a plan made by the call) for rows whose K / V are
+    already in the cache."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         f = lib.prefixserve_paged_decode
@@ -195,6 +196,19 @@ class PagedDecode:
         assert key_cache.dtype == value_cache.dtype and p.seq_lens.shape[0] == num_seqs
         out = torch.empty_like(q)
         self._call(q, key, value, key_cache, value_cache, p, scale, out)
+        return out
+
+    def attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, p: DecodePlan,
+               scale: float) -> torch.Tensor:
+        """Decodes q [S, H, D] (float32) over K / V already in the cache, by a plan made for these rows (`plan`: a
+        mixed step's decode rows, one plan for all of its layers) -> out [S, H, D]."""
+        num_seqs, _, head_dim = q.shape
+        assert q.dtype == torch.float32 and q.is_contiguous() and p.seq_lens.shape[0] == num_seqs
+        assert key_cache.dtype == value_cache.dtype and key_cache.shape[3] == head_dim
+        assert key_cache.stride(-1) == value_cache.stride(-1) == 1
+        out = torch.empty_like(q)
+        if num_seqs:
+            self._call(q, None, None, key_cache, value_cache, p, scale, out)
         return out
 
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
