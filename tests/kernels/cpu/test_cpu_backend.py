@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.cpu import paged_decode
 from kernels.cpu.library import CpuKernels, KernelUnavailable, load
 from kernels.cpu_backend import CpuAttentionBackend, extend_attention
 from tests.kernels.batch import make_batch
@@ -89,7 +90,6 @@ def test_a_mixed_step_plans_its_decode_rows_once_for_all_its_layers(cpu: CpuKern
     """The decode rows of a step that also holds prompt chunks are planned by the first layer and the plan is
     kept in the step's scratch (numpy, ~0.2 ms for 40 sequences: 30 layers would pay it 30 times); each layer's
     output (its own queries and caches) equals what a step's first layer gives."""
-    from kernels.cpu import paged_decode
     seq_lens, query_lens = CASES[3]
     b = make_batch(seq_lens, query_lens, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
                    dtype=torch.bfloat16, seed=20, poison=0.0, device="cpu")
