@@ -393,10 +393,14 @@ class Scheduler:
 
     def undo_joins(self, out: SchedulerOutput) -> None:
         """The step did not run (the KV backend refused it: EngineCore): a prompt that shares blocks this step was
-        to write would read them unwritten later, so it goes back to the front of its queue, as if preempted."""
-        for seq in out.joined:
+        to write would read them unwritten later, so it goes back to the front of its queue, as if preempted, the
+        sharers in their order (each preemption puts its sequence first: the last one goes first). Its admission
+        did not happen: the prefix hit it recorded (`num_cached_tokens`, what the client is told) is taken at
+        its next one."""
+        for seq in reversed(out.joined):
             if seq.status is Status.RUNNING:
                 self._preempt(seq, out, set())
+                seq.num_cached_tokens = -1
 
     def _victim(self, scheduled_ids: set[int], exclude: str | None = None, unscheduled_only: bool = False,
                 keep_one: bool = False) -> Sequence | None:

@@ -97,3 +97,55 @@ def test_greedy_parity_sharing_a_prefix_in_the_step_that_computes_it(tiny_model_
             outs[o.request_id].merge(o)
     assert [outs[str(i)].outputs[0].token_ids for i in range(3)] == expected
     assert engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("kv_backend", ["paged", "vattention"])
+def test_a_refused_step_with_sharers_runs_them_again_and_they_answer_as_transformers(
+        tiny_model_dir: Path, kv_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Failure injected at the step that computes a shared prefix: the KV backend refuses the writer (KVRefused,
+    nothing of the step runs). Its request ends with that error; the two prompts that shared its blocks in that
+    step go back to the queue (`undo_joins`), compute the prefix themselves in the next step, and answer as
+    transformers does; no block is left behind."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.errors import KVRefused
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    rng = random.Random(12)
+    vocab = hf.config.vocab_size
+    prefix = [rng.randrange(3, vocab) for _ in range(72)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(k)] for k in (5, 9, 1)]
+    expected = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                            pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+                for p in prompts[1:]]
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_backend=kv_backend, block_size=8,
+                                    num_kv_blocks=256, max_num_batched_tokens=256))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    runner = engine.core.runner
+    real = runner.execute
+    refused: list[list[int]] = []
+
+    def refuse_once(batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not refused:
+            refused.append([s.num_new for s in batch])
+            raise KVRefused("injected", [batch[0].seq.seq_id])
+        return real(batch, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", refuse_once)
+    outs = {o.request_id: o for o in engine.step()}
+    bs = engine.core.block_size
+    assert refused == [[77, 9 + 72 % bs, 1 + 72 % bs]]            # the writer and two in-step sharers
+    assert outs["0"].finished and isinstance(outs["0"].error, KVRefused)
+    assert "1" not in outs and "2" not in outs
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id in outs:
+                outs[o.request_id].merge(o)
+            else:
+                outs[o.request_id] = o
+    assert [outs[str(i)].outputs[0].token_ids for i in (1, 2)] == expected
+    # in their order again: 1 writes the prefix, 2 shares it (the hits the clients are told: of the step that ran)
+    assert [outs[str(i)].num_cached_tokens for i in (1, 2)] == [0, 72 // bs * bs]
+    assert outs["1"].num_written_tokens == len(prompts[1]) // bs * bs                # its full blocks, the prefix's too
+    assert engine.stats().kv_blocks_used == 0
