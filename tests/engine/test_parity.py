@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine.errors import KVRefused
 from engine.llm_engine import LLMEngine
 
 MAX_NEW = 12
@@ -24,6 +25,22 @@ def make_prompts(vocab: int) -> list[list[int]]:
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def shared_prefix_case(model_dir: Path, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Three prompts with a common 72-token prefix, then 5, 9 and 1 tokens of their own; transformers' greedy
+    tokens for each."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rng = random.Random(seed)
+    vocab = hf.config.vocab_size
+    prefix = [rng.randrange(3, vocab) for _ in range(72)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(k)] for k in (5, 9, 1)]
+    expected = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                            pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+                for p in prompts]
+    return prompts, expected
 
 
 def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -74,16 +91,7 @@ def test_greedy_parity_sharing_a_prefix_in_the_step_that_computes_it(tiny_model_
     """In-step sharing: prompts with a common prefix of several blocks, submitted together, all have their first
     token after one step (the later ones attend to the prefix blocks the first one writes in that very step),
     and every token is transformers' greedy one."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    rng = random.Random(11)
-    vocab = hf.config.vocab_size
-    prefix = [rng.randrange(3, vocab) for _ in range(72)]
-    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(k)] for k in (5, 9, 1)]
-    expected = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                            pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
-                for p in prompts]
+    prompts, expected = shared_prefix_case(tiny_model_dir, 11)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_backend=kv_backend, block_size=8,
                                     num_kv_blocks=256, max_num_batched_tokens=256))
     bs = engine.core.block_size
@@ -106,18 +114,7 @@ def test_a_refused_step_with_sharers_runs_them_again_and_they_answer_as_transfor
     nothing of the step runs). Its request ends with that error; the two prompts that shared its blocks in that
     step go back to the queue (`undo_joins`), compute the prefix themselves in the next step, and answer as
     transformers does; no block is left behind."""
-    from transformers import AutoModelForCausalLM
-
-    from engine.errors import KVRefused
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    rng = random.Random(12)
-    vocab = hf.config.vocab_size
-    prefix = [rng.randrange(3, vocab) for _ in range(72)]
-    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(k)] for k in (5, 9, 1)]
-    expected = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                            pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
-                for p in prompts[1:]]
+    prompts, expected = shared_prefix_case(tiny_model_dir, 12)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_backend=kv_backend, block_size=8,
                                     num_kv_blocks=256, max_num_batched_tokens=256))
     for i, p in enumerate(prompts):
@@ -144,7 +141,7 @@ def test_a_refused_step_with_sharers_runs_them_again_and_they_answer_as_transfor
                 outs[o.request_id].merge(o)
             else:
                 outs[o.request_id] = o
-    assert [outs[str(i)].outputs[0].token_ids for i in (1, 2)] == expected
+    assert [outs[str(i)].outputs[0].token_ids for i in (1, 2)] == expected[1:]
     # in their order again: 1 writes the prefix, 2 shares it (the hits the clients are told: of the step that ran)
     assert [outs[str(i)].num_cached_tokens for i in (1, 2)] == [0, 72 // bs * bs]
     assert outs["1"].num_written_tokens == len(prompts[1]) // bs * bs                # its full blocks, the prefix's too
