@@ -67,8 +67,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """Blocks a decode split (None: as many splits as keep the threads busy)."""
         return max(1, INVARIANT_SPLIT_TOKENS // block_size) if self.invariant else None
 
-    def _plan(self, md: AttentionMetadata, rows: torch.Tensor | None, block_size: int) -> cpu_decode.DecodePlan:
-        return cpu_decode.plan(md.block_tables, md.seq_lens, rows, block_size, cascade=not self.invariant,
+    def _plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor | None,
+              block_size: int) -> cpu_decode.DecodePlan:
+        """The decode kernel's plan for these rows, once a step (a decode step's or a mixed step's decode rows)."""
+        return cpu_decode.plan(block_tables, seq_lens, rows, block_size, cascade=not self.invariant,
                                split_blocks=self._split(block_size))
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -82,7 +84,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 if not cpu_decode.supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype):
                     p = md.scratch["cpu_decode_plan"] = False
                 else:
-                    p = md.scratch["cpu_decode_plan"] = self._plan(md, md.kv_rows, block_size)
+                    p = md.scratch["cpu_decode_plan"] = self._plan(md.block_tables, md.seq_lens, md.kv_rows, block_size)
             if isinstance(p, cpu_decode.DecodePlan):
                 return self.kernels.decode.write_attend(q, key, value, key_cache, value_cache, p, scale)
         return super().attend(q, key, value, key_cache, value_cache, md, scale)
@@ -143,8 +145,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             mixed.max_len = max(md.seq_lens_list[i] for i in decode)
             if self.kernels is not None and cpu_decode.supports(q.shape[1], key_cache.shape[2], q.shape[2],
                                                                 block_size, key_cache.dtype):
-                mixed.plan = cpu_decode.plan(mixed.tables, mixed.lens, None, block_size, cascade=not self.invariant,
-                                             split_blocks=self._split(block_size))
+                mixed.plan = self._plan(mixed.tables, mixed.lens, None, block_size)
         md.scratch["cpu_mixed_rows"] = mixed
         return mixed
 
