@@ -262,13 +262,14 @@ struct F32Tiles {
 template <int NV>
 struct Bf16Tiles {
     static constexpr int W = 8 * NV, D = 16 * NV;     // 32-bit words (dimension pairs) a row; dimensions
+    static constexpr float LOG2E = 1.4426950408889634f;
     uint32_t *qw, *kt, *vt, *pw;
-    float *sc, *alpha;
+    float *sc, *alpha, *top;
     const uint32_t** qrow;
     const uint32_t** prow;
     Bf16Tiles(int nr, int) {
         thread_local std::vector<uint32_t> qb, kb, vb, pb;
-        thread_local std::vector<float> sb, ab;
+        thread_local std::vector<float> sb, ab, tb;
         thread_local std::vector<const uint32_t*> rb, pr;
         qw = aligned(qb, static_cast<size_t>(nr) * W);
         kt = aligned(kb, static_cast<size_t>(TILE) * W);
@@ -276,6 +277,7 @@ struct Bf16Tiles {
         pw = aligned(pb, static_cast<size_t>(nr) * TILE / 2);
         sc = aligned(sb, static_cast<size_t>(nr) * TILE);
         alpha = aligned(ab, nr);
+        top = aligned(tb, nr);
         qrow = aligned(rb, nr);
         prow = aligned(pr, nr);
     }
@@ -297,9 +299,12 @@ struct Bf16Tiles {
             case 3: scores_rows<3>(qrow + x0, rows, kt, W, sx, TILE); break;
             default: scores_rows<4>(qrow + x0, rows, kt, W, sx, TILE); break;
         }
+        // each row's new max over its keys (those at positions <= its own), then the rescale factors e^(old - new)
+        // 16 rows at a time, then each row's weights e^(s - max) as bf16 pairs (e^x as 2^(x log2 e): vexp2, one
+        // float32 multiply-subtract per 16 weights; the scores stay in natural units, so q * scale, a power of two
+        // for the usual head sizes, is not rounded again)
         for (int x = x0; x < nr; ++x) {
-            const int valid = std::min(n, pos[x] - t0 + 1);     // keys at positions <= the row's own
-            uint32_t* pr = pw + static_cast<int64_t>(x) * (TILE / 2);
+            const int valid = std::min(n, pos[x] - t0 + 1);
             const float* s_ = sc + static_cast<int64_t>(x) * TILE;
             __m512 m = _mm512_set1_ps(-INFINITY);
             for (int c = 0; c < chunks; ++c) {
@@ -307,16 +312,26 @@ struct Bf16Tiles {
                 const __mmask16 ok = static_cast<__mmask16>(k >= 16 ? 0xffff : k > 0 ? (1u << k) - 1 : 0);
                 m = _mm512_mask_max_ps(m, ok, m, _mm512_load_ps(s_ + 16 * c));
             }
-            const float top = std::max(mx[x], _mm512_reduce_max_ps(m));
-            alpha[x] = std::exp(mx[x] - top);
-            mx[x] = top;
+            top[x] = std::max(mx[x], _mm512_reduce_max_ps(m));
+        }
+        for (int x = x0; x < nr; x += 16) {
+            const __mmask16 ok = static_cast<__mmask16>(nr - x >= 16 ? 0xffff : (1u << (nr - x)) - 1);
+            const __m512 t = _mm512_maskz_loadu_ps(ok, top + x);
+            _mm512_mask_storeu_ps(alpha + x, ok, prefixserve_f32::vexp2(_mm512_mul_ps(
+                _mm512_sub_ps(_mm512_maskz_loadu_ps(ok, mx + x), t), _mm512_set1_ps(LOG2E))));
+            _mm512_mask_storeu_ps(mx + x, ok, t);
+        }
+        for (int x = x0; x < nr; ++x) {
+            const int valid = std::min(n, pos[x] - t0 + 1);
+            uint32_t* pr = pw + static_cast<int64_t>(x) * (TILE / 2);
+            const float* s_ = sc + static_cast<int64_t>(x) * TILE;
+            const __m512 tv = _mm512_set1_ps(mx[x] * LOG2E), l2e = _mm512_set1_ps(LOG2E);
             __m512 e[TILE / 16];
             __m512 tot = _mm512_setzero_ps();
             for (int c = 0; c < TILE / 16; ++c) {
                 const int k = valid - 16 * c;
                 const __mmask16 ok = static_cast<__mmask16>(k >= 16 ? 0xffff : k > 0 ? (1u << k) - 1 : 0);
-                e[c] = c < chunks ? _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(_mm512_load_ps(s_ + 16 * c),
-                                                                                    _mm512_set1_ps(top))))
+                e[c] = c < chunks ? _mm512_maskz_mov_ps(ok, prefixserve_f32::vexp2(_mm512_fmsub_ps(_mm512_load_ps(s_ + 16 * c), l2e, tv)))
                                   : _mm512_setzero_ps();
                 tot = _mm512_add_ps(tot, e[c]);
             }
