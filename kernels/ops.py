@@ -112,6 +112,10 @@ class Ops:
         # traced graph (a ctypes call), not in the batch-invariant mode (its int4 kernel is torch's, tested so)
         self._int4 = None if self.cpu is None or config.traced or config.batch_invariant or \
             qg.DENSE_DTYPE != torch.float32 else self.cpu.int4
+        # the wide decode steps' int4 x bfloat16 GEMM (kernels/cpu/int4_gemm.py gemm_bf16), where the dense GEMM is
+        # oneDNN's bfloat16 one and the build has AVX-512 BF16: not traced, not batch-invariant (as above)
+        self._int4_bf16 = None if self.cpu is None or config.traced or config.batch_invariant or \
+            qg.DENSE_DTYPE != torch.bfloat16 or not self.cpu.int4.has_bf16 else self.cpu.int4
         self.quantized_gemms = on_cpu            # torch's int4 / int8 kernels are CPU kernels
         ops: dict[str, str] = {}
         variant = f"c++ {self.cpu.variant}" if self.cpu is not None else "torch"
@@ -129,10 +133,11 @@ class Ops:
             ops["elementwise (mixed precision)"] = ops["logits reductions"] = variant
             ops["paged decode"] = "triton" if self.device.type == "cuda" else "torch"
         if on_cpu:
+            wide_int4 = "c++ int4 x bf16 gemm (GGUF int4 layers) or " if self._int4_bf16 is not None else ""
             ops["quantized gemm"] = ("int4 / int8 kernel at every row count (batch-invariant)"
                                      if config.batch_invariant else
                                      f"{'c++ int4 gemm (int4 layers) or ' if self._int4 is not None else ''}"
-                                     f"int4 / int8 kernel below {qg.DENSE_FROM_ROWS} decode rows, else "
+                                     f"int4 / int8 kernel below {qg.DENSE_FROM_ROWS} decode rows, else {wide_int4}"
                                      f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} "
                                      f"({'oneDNN' if qg.ONEDNN else 'torch linear'})")
             if not config.batch_invariant:
@@ -160,6 +165,12 @@ class Ops:
         return "bfloat16" if quantized and self.quantized_gemms else dtype
 
     # -- elementwise ------------------------------------------------------------------------------------------------
+    @property
+    def wide_int4_bf16(self) -> bool:
+        """Whether wide decode steps of a GGUF int4 layer run the C++ int4 x bfloat16 GEMM (its weights packed by
+        engine/models/quant.py for it)."""
+        return self._int4_bf16 is not None
+
     @property
     def narrow_int4(self) -> bool:
         """Whether narrow steps' int4 layers run the C++ int4 GEMM (float32 activations) instead of torch's kernel."""
@@ -237,8 +248,10 @@ class Ops:
         prefill chunk or of DENSE_FROM_ROWS rows and more, its int4 / int8 kernel otherwise; where wide steps are
         float32 GEMMs (AVX2), an int4 layer's narrow steps take our row-blocked int4 GEMM (`gemm`) and, where its
         dense weight is its 4-bit values (GGUF Q4), its wide decode steps our panel-decoding one (`gemm_wide`,
-        the same weights at 1.2x the dense GEMM's speed); in the batch-invariant mode, torch's int4 / int8
-        kernel always.
+        the same weights at 1.2x the dense GEMM's speed); where wide steps are bfloat16 GEMMs (AVX-512 BF16), such a
+        layer's wide steps, prompt chunks included, take our int4 x bfloat16 GEMM (`gemm_bf16`: the dense copy's
+        weights decoded a block at a time, none kept); in the batch-invariant mode, torch's int4 / int8 kernel
+        always.
 
         NOTE: why per step and not per row count alone: a prompt's tokens must go through the same kernel
         whether they are computed in one prefill or in two (a registered prefix, then the request's own
@@ -246,6 +259,12 @@ class Ops:
         kind = getattr(layer, "kind", None)
         if kind is None:
             return F.linear(x, layer.weight, layer.bias)
+        if self._int4_bf16 is not None and kind == "int4" and layer.w4.numel() and \
+                (prefill or x.shape[0] >= qg.DENSE_FROM_ROWS):
+            # a wide step (as `_dense`): the dense copy's bfloat16 weights decoded from 4 bits a block at a time (a
+            # third of its bytes from memory; kernels/cpu/int4_gemm.py gemm_bf16, measured in engine/models/quant.py)
+            y = self._int4_bf16.gemm_bf16(x.to(torch.bfloat16).contiguous(), layer.w4, layer.sz4)
+            return y.to(x.dtype) if layer.bias is None else (y.float() + layer.bias.float()).to(x.dtype)
         own = self._int4 if kind == "int4" and layer.q8.numel() else None
         if own is not None and layer.dense_is_int4 and not prefill and x.shape[0] >= qg.DENSE_FROM_ROWS:
             # a wide decode step: our int4 GEMM that decodes a panel for every row (1.2x oneDNN's float32 GEMM

@@ -10,9 +10,9 @@
 
 This module holds the weights; the op layer (kernels/ops.py, `Ops.linear` and `Ops.logits`) runs them, and it
 decides the kernel by the step: a step with a prefill chunk, or of `DENSE_FROM_ROWS` rows or more, takes the
-dense GEMM (`Ops.linear` says why prefill always does); in the batch-invariant mode every step takes the
-quantized kernel. The CPU's int4 and int8
-kernels read each weight row once per input row (a matrix-vector product per row), so they win while a
+dense GEMM or its 4-bit twin (`Ops.linear` says why prefill always does); in the batch-invariant mode every step
+takes the quantized kernel. The CPU's int4 and int8 kernels read each weight row once per input row (a
+matrix-vector product per row), so they win while a
 step has a few rows (decode of a few sequences: memory-bound, a fraction of the dense weight's bytes) and
 lose to a dense GEMM through oneDNN once a step has many (prefill chunks, wide decode batches:
 compute-bound). Measured on a 2-core AVX-512 BF16 CPU over the 120 projections of SmolLM2 with weights cold
@@ -22,12 +22,21 @@ from run to run); on an AVX2 CPU, whose bfloat16 GEMM is emulated (8x slower tha
 is float32 and the crossover 16 rows (kernels/quant_gemm.py, DENSE_DTYPE and DENSE_FROM_ROWS); there a GGUF
 Q4 layer's wide decode steps take our own int4 GEMM instead (kernels/cpu/int4_gemm.py gemm_wide: a panel of
 the 4-bit weights decoded to float32 in L1 for all of a step's rows, 1.2x oneDNN's float32 GEMM at 64 rows
-with the weights cold), and only prompt chunks read the dense copy. Every
-quantized layer therefore also keeps its weight dense (bfloat16, 2 bytes a parameter: 212 MB for SmolLM2's
-layers; float32 on AVX2, 424 MB), reordered once into oneDNN's blocked layout; the head keeps an int8 copy
-instead (28 MB, Int8ActHead), or a dense one where oneDNN's int8 kernel is missing.
+with the weights cold), and only prompt chunks read the dense copy. On an AVX-512 BF16 CPU a GGUF Q4 layer's
+wide steps, prompt chunks included, take kernels/cpu/int4_gemm.py gemm_bf16 instead of oneDNN: each block of 32
+outputs decoded from the 4-bit values into exactly the dense copy's bfloat16 weights (in L2), then vdpbf16ps over
+all of the step's rows; the weights come from memory at a third of the bytes (4 bits and bfloat16 scales).
+Measured on a Zen 4 over SmolLM2's 120 projections, weights cold, the two alternating: 14.0 / 41.5 / 68.7 /
+126.5 / 250.2 / 1,023 ms at 16 / 64 / 128 / 256 / 512 / 2,048 rows against oneDNN's 19.2 / 49.2 / 77.6 / 134.3
+/ 261.9 / 1,069 (products and weights the same; sums in another order: outputs within an ulp of bfloat16).
+Such a layer keeps no dense copy. Every other quantized layer keeps its weight dense (bfloat16, 2 bytes a
+parameter: 212 MB for SmolLM2's layers; float32 on AVX2, 424 MB), reordered once into oneDNN's blocked layout;
+the head keeps an int8 copy instead (28 MB, Int8ActHead), or a dense one where oneDNN's int8 kernel is missing.
 (8-bit activations would be twice as fast again on VNNI, but cost too much accuracy on this model:
-measured 13-17 of 20 first tokens equal to float32's, against int4's 20.)
+measured 13-17 of 20 first tokens equal to float32's, against int4's 20; and rounded per group of 32 of a row
+(as llama.cpp's Q8 activations), int4 weights exact, in every wide step: 9 of the 20 greedy answers of
+tests/engine/models/test_real_model.py equal to transformers' and 74% of their tokens before the first
+divergence, against 17 and 90% for this module's path; "Paris" lost.)
 
 The output projection (lm_head, tied to the embedding in SmolLM2: 49,152 x 576, a fifth of the model)
 is quantized as the layers are, with its top logits recomputed exactly from the float weight
@@ -72,12 +81,28 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scale_zero", scale_zero)
         s, z = scale.to(ACT).float(), zero.to(ACT).float()        # the kernels' bfloat16 scale and zero
-        # the dense weight is these 4-bit values (a GGUF Q4 layer): then wide decode steps may decode them instead
+        # the dense weight is these 4-bit values (a GGUF Q4 layer): then wide steps may decode them instead
         # (kernels/ops.py Ops.linear); a float weight kept from from_float is the better of the two, and read
         self.dense_is_int4 = dense is None
-        if dense is None:    # (q - 8) * scale + zero
-            dense = ((q.float() - 8).view(self.out_features, -1, GROUP) * s[..., None] + z[..., None]).view(q.shape)
-        self.register_buffer("dense", pack_dense(dense))
+        # where the dense GEMM is bfloat16 (AVX-512 BF16), a GGUF Q4 layer's wide steps (prompt chunks and decode
+        # steps of DENSE_FROM_ROWS rows or more) run the int4 x bfloat16 GEMM (int4_gemm.py gemm_bf16): the same
+        # 4-bit values and bfloat16 scales, decoded into exactly the dense copy's weights; that copy is then never read
+        # and not kept (212 MB for SmolLM2)
+        self.w4: torch.Tensor
+        self.sz4: torch.Tensor
+        if self.dense_is_int4 and self.ops.wide_int4_bf16 and int4_gemm.fits_bf16(self.out_features, self.in_features):
+            w4, sz4 = int4_gemm.pack_bf16(q, s, z)
+        else:
+            w4, sz4 = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.bfloat16)
+        self.register_buffer("w4", w4)
+        self.register_buffer("sz4", sz4)
+        if w4.numel():
+            self.register_buffer("dense", torch.empty(0, dtype=DENSE_DTYPE))
+        else:
+            if dense is None:    # (q - 8) * scale + zero
+                dense = ((q.float() - 8).view(self.out_features, -1, GROUP) * s[..., None] +
+                         z[..., None]).view(q.shape)
+            self.register_buffer("dense", pack_dense(dense))
         # the narrow steps' own int4 GEMM (kernels/cpu/int4_gemm.py) where wide steps are float32 GEMMs
         self.q8: torch.Tensor
         self.sz8: torch.Tensor

@@ -217,6 +217,72 @@ void micro(const float* ap, const float* bp, int kc, float* y, int64_t y_stride,
 #undef PS_STORE
 #endif
 
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PREFIXSERVE_BF16 1
+// -- wide decode steps on AVX-512 BF16 (gemm_bf16): bfloat16 dot products over 4-bit weights ----------------------
+// A block of 32 outputs (two panels of 16) is decoded, over the whole K, into the bfloat16 weights the dense GEMM
+// reads (W = (q - 8) s + z in float32, a product then a sum, rounded to nearest even: torch's dequantization in
+// engine/models/quant.py, so the same bits as the dense copy), as dimension pairs: bp[(w * 2 + c) * 16 + j] = the
+// 32-bit word (W[n, 2 w], W[n, 2 w + 1]) of output n = 32 b + 16 c + j. The step's rows then run over it 8 at a
+// time: each row's word w broadcast, two vdpbf16ps a row (16 accumulators), float32 sums in order of w, each
+// output rounded once to bfloat16. The block (K x 32 bfloat16: 96 KB at K = 1,536) stays in L2 for all the rows;
+// the weights come from memory as 4-bit values and bfloat16 scales (a third of the dense copy's bytes).
+constexpr int BR = 8;            // rows a pass
+constexpr int BC = 2;            // panels of 16 outputs a block
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// Bp for the block's two panels (w4 and sz at panel 2 b), words [0, K / 2).
+inline void decode_block_bf16(const uint8_t* w4, const uint16_t* sz, int K, uint32_t* bp) {  // BC panels
+    const int G = K / GROUP, W = K / 2;
+    const __m512i lo_hi = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    for (int c = 0; c < BC; ++c) {
+        const uint8_t* wp = w4 + static_cast<int64_t>(c) * W * 16;
+        const uint16_t* zp = sz + static_cast<int64_t>(c) * G * 32;
+        for (int g = 0; g < G; ++g) {
+            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(zp + g * 32))), 16));
+            const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(zp + g * 32 + 16))), 16));
+            for (int w = g * (GROUP / 2); w < (g + 1) * (GROUP / 2); ++w) {
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + w * 16)));
+                const __m512 lo = _mm512_permutexvar_ps(b, lut);                      // q - 8 (an index's low 4 bits)
+                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
+                const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_mul_ps(hi, s), z),
+                                                          _mm512_add_ps(_mm512_mul_ps(lo, s), z));
+                _mm512_store_si512(bp + (w * BC + c) * 16,
+                                   _mm512_permutexvar_epi16(lo_hi, reinterpret_cast<const __m512i&>(pair)));
+            }
+        }
+    }
+}
+
+// y rows [0, R) x 16 BC outputs = x rows x the block bp (W words): bfloat16 out.
+template <int R>
+void micro_bf16(const uint16_t* x, int64_t x_stride, const uint32_t* bp, int W, uint16_t* y, int64_t y_stride) {
+    __m512 acc[R][BC];
+    for (int r = 0; r < R; ++r) for (int c = 0; c < BC; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int w = 0; w < W; ++w) {
+        __m512i b[BC];
+        for (int c = 0; c < BC; ++c) b[c] = _mm512_load_si512(bp + (w * BC + c) * 16);
+        for (int r = 0; r < R; ++r) {
+            int32_t word;
+            std::memcpy(&word, x + r * x_stride + 2 * w, 4);
+            const __m512bh a = as_bh(_mm512_set1_epi32(word));
+            for (int c = 0; c < BC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, as_bh(b[c]));
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < BC; c += 2) {
+            const __m512bh out = _mm512_cvtne2ps_pbh(acc[r][c + 1], acc[r][c]);
+            _mm512_storeu_si512(y + r * y_stride + 16 * c, reinterpret_cast<const __m512i&>(out));
+        }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -362,6 +428,58 @@ int prefixserve_int4_gemm_wide(const float* x, int64_t x_stride, const uint32_t*
     return failed ? -1 : 0;
 #else
     return prefixserve_int4_gemm(x, x_stride, w, sz, y, y_stride, T, N, K);
+#endif
+}
+
+// x: [T, K] bfloat16 (row stride x_stride); w4: [N / 16, K / 2, 16] bytes (byte (p, w, j) = q[16 p + j, 2 w] |
+// q[16 p + j, 2 w + 1] << 4); sz: [N / 16, K / 32, 2, 16] bfloat16 (s, then z, of the panel's
+// 16 outputs); y: [T, N] bfloat16 (row stride y_stride). Returns 0; -1 for shapes it does not take (N % 32,
+// K % 32) or no memory for the scratch; -2 on a build without AVX-512 BF16.
+int prefixserve_int4_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* w4, const uint16_t* sz,
+                               uint16_t* y, int64_t y_stride, int T, int N, int K) {
+#if defined(PREFIXSERVE_BF16)
+    if (N % (16 * BC) != 0 || K % GROUP != 0 || T < 0) return -1;
+    if (T == 0) return 0;
+    const int W = K / 2, G = K / GROUP;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        uint32_t* bp = static_cast<uint32_t*>(std::aligned_alloc(64, sizeof(uint32_t) * static_cast<size_t>(W) * 16 * BC));
+        if (bp == nullptr) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int b = 0; b < N / (16 * BC); ++b) {
+            if (bp == nullptr) continue;
+            decode_block_bf16(w4 + static_cast<int64_t>(BC * b) * W * 16, sz + static_cast<int64_t>(BC * b) * G * 32, K,
+                              bp);
+            int t = 0;
+            for (; t + BR <= T; t += BR)
+                micro_bf16<BR>(x + t * x_stride, x_stride, bp, W, y + t * y_stride + 16 * BC * b, y_stride);
+            switch (T - t) {
+#define PREFIXSERVE_REST(R) case R: micro_bf16<R>(x + t * x_stride, x_stride, bp, W, y + t * y_stride + 16 * BC * b, y_stride); break;
+                PREFIXSERVE_REST(1) PREFIXSERVE_REST(2) PREFIXSERVE_REST(3) PREFIXSERVE_REST(4) PREFIXSERVE_REST(5)
+                PREFIXSERVE_REST(6) PREFIXSERVE_REST(7)
+#undef PREFIXSERVE_REST
+                default: break;
+            }
+        }
+        std::free(bp);
+    }
+    return failed ? -1 : 0;
+#else
+    (void)x; (void)x_stride; (void)w4; (void)sz; (void)y; (void)y_stride; (void)T; (void)N; (void)K;
+    return -2;
+#endif
+}
+
+// Whether this build has gemm_bf16 (AVX-512 BF16).
+int prefixserve_int4_gemm_has_bf16() {
+#if defined(PREFIXSERVE_BF16)
+    return 1;
+#else
+    return 0;
 #endif
 }
 

@@ -8,6 +8,13 @@
     gemm_wide(x, w, sz)   the same product for wide decode steps (16 rows and more): each panel of 16 outputs x
                           <= 320 inputs decoded to float32 once into L1, then a float32 GEMM micro-kernel (6 rows
                           x 16 outputs, twelve accumulators) runs every row over it
+    pack_bf16(q, s, z)    (w4 [N / 16, K / 2, 16] uint8: byte (p, w, j) holds q[16 p + j, 2 w] and, above it,
+                          q[16 p + j, 2 w + 1]; sz [N / 16, K / 32, 2, 16] bfloat16: s, then z) for gemm_bf16
+    gemm_bf16(x, w4, sz)  x [T, K] bfloat16 -> y [T, N] bfloat16 = x @ W^T on AVX-512 BF16 builds (`has_bf16`),
+                          for wide decode steps where the dense GEMM is oneDNN's bfloat16 one: each block of 32
+                          outputs decoded over the whole K into the dense copy's bfloat16 weights (L2), then
+                          vdpbf16ps over every row; the weights read from memory are 4-bit (with bfloat16 scales:
+                          a third of the dense copy's bytes)
     pack_u8(q)            q -> [N / 8, K / 4, 8, 4] uint8, the weights a byte each for gemm_q8
     gemm_q8(x, w, sz)     the same product with x quantized to int8 per group of 32 of a row (a = max |x| / 127):
                           integer products (vpmaddubsw, 32 a uop), exact sums a group, then the group's scales in
@@ -18,6 +25,11 @@ each group of 32 products, then scales it: another order than a dense GEMM's). A
 that row only. Shapes: N a multiple of 16, K of 32 (`fits`).
 Agreement criterion (gemm_wide): the same as gemm's (another order again: products summed in order of k, W
 decoded as q s + z with one rounding); a row's result depends on that row only.
+Agreement criterion (gemm_bf16): the weights it decodes are the dense copy's bfloat16 weights bit for bit (W =
+(q - 8) s + z with s, z bfloat16, a float32 product then a float32 sum, rounded to nearest even, as
+engine/models/quant.py makes them); products of bfloat16 values exact, summed in float32 in order of k, each output
+rounded once to bfloat16: so y equals the bfloat16 rounding of x @ W^T (W the dense copy) up to float32 summation
+order (at most an ulp of bfloat16 apart from oneDNN's result); a row's result depends on that row only.
 Agreement criterion (gemm_q8): y equals x_q @ W^T within float32 rounding, x_q being x with each group of 32
 of a row rounded to the nearest multiple of max |x| / 127 of the group (so off from x @ W^T by up to half a step
 a weight); a row's result depends on that row only, and every build gives the same bits.
@@ -64,6 +76,21 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torc
     return w, pack_sz(scale, zero)
 
 
+def fits_bf16(out_features: int, in_features: int) -> bool:
+    """gemm_bf16's shape rules: output blocks of 32, whole groups along the input."""
+    return out_features % 32 == 0 and in_features % GROUP == 0
+
+
+def pack_bf16(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int 0..15, scale / zero [N, K / 32] (W = (q - 8) scale + zero) -> gemm_bf16's (w4, sz)."""
+    n, k = q.shape
+    assert fits_bf16(n, k) and scale.shape == zero.shape == (n, k // GROUP), (q.shape, scale.shape)
+    qq = q.to(torch.uint8).view(n // 16, 16, k // 2, 2)
+    w4 = (qq[..., 0] | (qq[..., 1] << 4)).permute(0, 2, 1).contiguous()          # [N / 16, K / 2, 16]
+    s, z = (t.to(torch.bfloat16).view(n // 16, 16, -1) for t in (scale, zero))
+    return w4, torch.stack([s, z], dim=1).permute(0, 3, 1, 2).contiguous()     # [N / 16, K / 32, 2, 16]
+
+
 def pack_sz(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """scale, zero [N, K / 32] -> [N / 8, K / 32, 2, 8] float32: scale, then zero - 8 scale."""
     n = scale.shape[0]
@@ -83,9 +110,12 @@ class Int4Gemm:
         lib.prefixserve_int4_gemm_wide.restype = ctypes.c_int
         lib.prefixserve_int4_gemm_q8.argtypes = [p, i64, p, p, p, i64, i, i, i]
         lib.prefixserve_int4_gemm_q8.restype = ctypes.c_int
+        lib.prefixserve_int4_gemm_bf16.argtypes = [p, i64, p, p, p, i64, i, i, i]
+        lib.prefixserve_int4_gemm_bf16.restype = ctypes.c_int
         lib.prefixserve_int4_gemm_path.restype = ctypes.c_char_p
         self._lib = lib
         self.path: str = lib.prefixserve_int4_gemm_path().decode()      # the loops it runs: avx2, generic
+        self.has_bf16 = bool(lib.prefixserve_int4_gemm_has_bf16())      # gemm_bf16 (AVX-512 BF16 builds)
 
     def gemm(self, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         return self._call_int4(self._lib.prefixserve_int4_gemm, "int4_gemm", x, w, sz)
@@ -99,6 +129,20 @@ class Int4Gemm:
         nb, k = w.shape
         assert w.dtype == torch.int32 and w.is_contiguous()
         return self._call(fn, name, x, w, sz, nb, k)
+
+    def gemm_bf16(self, x: torch.Tensor, w4: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        """x [T, K] bfloat16 @ W^T, W as pack_bf16 made it -> [T, N] bfloat16 (AVX-512 BF16 builds: `has_bf16`)."""
+        assert self.has_bf16, "gemm_bf16 needs an AVX-512 BF16 build"
+        assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.device.type == "cpu"
+        assert w4.dtype == torch.uint8 and w4.is_contiguous() and w4.shape[2] == 16
+        n, k = 16 * w4.shape[0], 2 * w4.shape[1]
+        assert x.shape[1] == k and sz.dtype == torch.bfloat16 and sz.is_contiguous()
+        assert sz.shape == (w4.shape[0], k // GROUP, 2, 16)
+        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        if self._lib.prefixserve_int4_gemm_bf16(x.data_ptr(), x.stride(0), w4.data_ptr(), sz.data_ptr(), y.data_ptr(),
+                                                y.stride(0), x.shape[0], n, k) != 0:
+            raise ValueError(f"int4_gemm_bf16: shapes not taken ({tuple(x.shape)} x {n}) or no memory")
+        return y
 
     def gemm_q8(self, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         """x [T, K] float32 @ W^T with x quantized to int8 per group of 32 of a row, W as pack_u8 (weights) and
@@ -142,4 +186,4 @@ class Q8Head:
         return self.kernel.gemm_q8(x.float().contiguous(), self.w, self.sz)
 
 
-__all__ = ["GROUP", "Int4Gemm", "Q8Head", "fits", "pack", "pack_sz", "pack_u8", "quantize"]
+__all__ = ["GROUP", "Int4Gemm", "Q8Head", "fits", "fits_bf16", "pack", "pack_bf16", "pack_sz", "pack_u8", "quantize"]

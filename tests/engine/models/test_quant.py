@@ -163,6 +163,34 @@ def test_wide_decode_steps_of_gguf_q4_layers_decode_the_4_bit_weights() -> None:
     assert rel_err(ops.linear(kept, x, prefill=False), x @ w.T + b) < 1e-5   # the float weight, not its 4 bits
 
 
+def test_wide_steps_of_gguf_q4_layers_run_the_int4_bf16_gemm_and_keep_no_dense_copy() -> None:
+    """Where wide steps are bfloat16 GEMMs (AVX-512 BF16), a GGUF Q4 layer's prompt chunks (any row count) and
+    decode steps of DENSE_FROM_ROWS rows and more take int4_gemm.cpp gemm_bf16 (its bits exactly), whose decoded
+    weights are the dense copy's: so the layer keeps no dense copy. Narrow decode steps keep torch's int4 kernel; a
+    layer quantized here from a float weight keeps that weight (from_float) and the dense GEMM."""
+    ops = default_ops()
+    if not ops.wide_int4_bf16:
+        pytest.skip("wide steps are not bfloat16 GEMMs on this CPU (or the C++ kernels are off)")
+    torch.manual_seed(4)
+    q, scale, zero = (torch.randint(0, 16, (96, 128), dtype=torch.int32), torch.rand(96, 4) * 0.01,
+                      torch.randn(96, 4) * 0.01)
+    b = torch.randn(96)
+    exact = Int4Linear(q, scale, zero, b, ops=ops)
+    assert exact.dense.numel() == 0 and exact.w4.shape == (6, 64, 16)
+    for rows, prefill in ((DENSE_FROM_ROWS + 5, False), (DENSE_FROM_ROWS + 5, True), (3, True)):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        own = (ops._int4_bf16.gemm_bf16(x, exact.w4, exact.sz4).float() + b).to(torch.bfloat16)
+        assert torch.equal(ops.linear(exact, x, prefill=prefill), own)
+    x = torch.randn(3, 128).to(torch.bfloat16)                       # a narrow decode step: torch's int4 kernel
+    assert torch.equal(ops.linear(exact, x, prefill=False),
+                       (qg.int4_mm(x, exact.packed, exact.scale_zero) + b.to(torch.bfloat16)))
+    w = torch.randn(96, 128) * 0.1
+    kept = Int4Linear.from_float(w, b, ops)
+    assert kept.w4.numel() == 0 and kept.dense.numel() == 96 * 128
+    x = torch.randn(DENSE_FROM_ROWS + 5, 128).to(torch.bfloat16)
+    assert rel_err(ops.linear(kept, x, prefill=False).float(), x.float() @ w.T + b) < 2e-2
+
+
 def test_quantized_answers_do_not_depend_on_how_much_of_the_prompt_was_cached(tiny_llama_dir: Path) -> None:
     """The fast path mixes kernels (4-bit for decode rows, bfloat16 GEMMs for prefill chunks; a C++ decode
     kernel and flash prefill): a prompt's tokens must take the same ones whether they are computed in one

@@ -131,3 +131,66 @@ def test_pack_u8_puts_four_weights_of_one_output_in_a_lane() -> None:
     assert wu.shape == (2, 16, 8, 4) and wu.dtype == torch.uint8
     for n, k in ((0, 0), (9, 5), (15, 63), (3, 37)):
         assert int(wu[n // 8, k // 4, n % 8, k % 4]) == int(q[n, k])
+
+
+def bf16_weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weights() with bfloat16 scales and zeros, and the dense copy as engine/models/quant.py makes it: (q - 8) s + z
+    in float32, a product then a sum, rounded to bfloat16."""
+    q, scale, zero, _ = weights(n, k, seed)
+    s, z = scale.to(torch.bfloat16).float(), zero.to(torch.bfloat16).float()
+    dense = ((q.float() - 8).view(n, -1, 32) * s[..., None] + z[..., None]).view(n, k).to(torch.bfloat16)
+    return q, s, z, dense
+
+
+def test_bf16_gemm_exists_in_the_avx512_bf16_builds_only(variant: CpuKernels) -> None:
+    assert variant.int4.has_bf16 == (variant.variant in ("avx512_bf16", "amx"))
+    if not variant.int4.has_bf16:
+        with pytest.raises(AssertionError):
+            variant.int4.gemm_bf16(torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 32, 16, dtype=torch.uint8),
+                                   torch.zeros(2, 2, 2, 16, dtype=torch.bfloat16))
+
+
+def test_bf16_gemm_decodes_the_dense_copys_weights_bit_for_bit(variant: CpuKernels) -> None:
+    """One-hot rows: each output is one weight times 1, so y is the decoded weights themselves."""
+    if not variant.int4.has_bf16:
+        pytest.skip(f"no gemm_bf16 in the {variant.variant} build")
+    q, s, z, dense = bf16_weights(64, 96, seed=7)
+    w4, sz = int4_gemm.pack_bf16(q, s, z)
+    assert w4.shape == (4, 48, 16) and sz.shape == (4, 3, 2, 16)
+    y = variant.int4.gemm_bf16(torch.eye(96, dtype=torch.bfloat16), w4, sz)
+    assert torch.equal(y, dense.T.contiguous())
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 151])
+@pytest.mark.parametrize("shape", [(32, 32), (960, 576), (576, 1536)])
+def test_bf16_gemm_is_the_bf16_rounding_of_the_product(variant: CpuKernels, rows: int, shape: tuple[int, int]) -> None:
+    """Within an ulp of bfloat16 plus float32 summation error of x @ W^T (W the dense copy, in float64); a row's
+    result the same bits whatever rows share its call (row passes of 8 with ragged last ones); and where oneDNN has
+    its bfloat16 GEMM, at most an ulp of bfloat16 from it over the same weights."""
+    if not variant.int4.has_bf16:
+        pytest.skip(f"no gemm_bf16 in the {variant.variant} build")
+    n, k = shape
+    q, s, z, dense = bf16_weights(n, k, seed=n + rows)
+    w4, sz = int4_gemm.pack_bf16(q, s, z)
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, k + 24, generator=g) * 2).to(torch.bfloat16)[:, 8:8 + k]   # a row stride wider than the row
+    y = variant.int4.gemm_bf16(x, w4, sz)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    want = x.double() @ dense.double().T
+    sums = k * 2.0**-24 * (x.double().abs() @ dense.double().abs().T)    # float32 summation error, at most
+    assert ((y.double() - want).abs() <= want.abs() * 2.0**-8 + sums).all()
+    for t in sorted({0, rows // 2, rows - 1}):
+        assert torch.equal(variant.int4.gemm_bf16(x[t:t + 1], w4, sz)[0], y[t])
+    from kernels import quant_gemm as qg
+    if qg.ONEDNN_BF16:
+        ref = qg.dense_mm(x, qg.pack_dense(dense), None)
+        assert ((y.double() - ref.double()).abs() <= ref.double().abs() * 2.0**-7 + 2 * sums).all()
+
+
+def test_bf16_gemm_refuses_shapes_it_does_not_take(variant: CpuKernels) -> None:
+    if not variant.int4.has_bf16:
+        pytest.skip(f"no gemm_bf16 in the {variant.variant} build")
+    assert int4_gemm.fits_bf16(32, 64) and not int4_gemm.fits_bf16(48, 64) and not int4_gemm.fits_bf16(32, 48)
+    with pytest.raises(ValueError):                               # 48 outputs: not whole blocks of 32
+        variant.int4.gemm_bf16(torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(3, 32, 16, dtype=torch.uint8),
+                               torch.zeros(3, 2, 2, 16, dtype=torch.bfloat16))
