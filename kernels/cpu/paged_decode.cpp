@@ -19,6 +19,7 @@
 #include <vector>
 #include <omp.h>
 #include "bf16_convert.h"
+#include "bf16_tile.h"
 #include "simd_math.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -31,6 +32,7 @@ constexpr int MAX_GROUP = 16;
 constexpr int MAX_HEADS = 64;
 constexpr int MAX_BLOCK = 256;
 constexpr int MAX_MEMBERS = 16;
+constexpr int TILE_KEYS = 64;    // keys a tile (TILE below; the bf16 tile's buffers are sized by it)
 
 
 
@@ -249,6 +251,57 @@ void tile_avx512(const Rows& r, const KV* const* krow, const KV* const* vrow, in
     }
     values_rows<KV, NV>(r.st, alpha, sc, sc_stride, vrow, n, r.n);
 }
+
+#if defined(PREFIXSERVE_BF16)
+// The same tile over a bf16 cache with bf16 dot products (vdpbf16ps, float32 sums), as the prefill kernel's tiles
+// (bf16_tile.h): K transposed into dimension pairs, V interleaved into token pairs, the rows' queries (qw, q * scale
+// as bf16 pairs) and softmax weights rounded to bf16; the running max, sum and accumulators float32.
+template <int NV>
+void tile_bf16(const Rows& r, const uint32_t* const* qw, const uint16_t* const* krow, const uint16_t* const* vrow,
+               int n, uint32_t* kt, uint32_t* vt, uint32_t* pw, float* sc, int sc_stride) {
+    constexpr int D = 16 * NV, W = 8 * NV, PAIRS = TILE_KEYS / 2;
+    const int chunks = (n + 15) / 16;
+    prefixserve_bf16::pack_k(krow, n, D, kt);
+    prefixserve_bf16::pack_v(vrow, n, D, vt);
+    switch (chunks) {
+        case 1: prefixserve_bf16::scores_rows<1>(qw, r.n, kt, W, sc, sc_stride); break;
+        case 2: prefixserve_bf16::scores_rows<2>(qw, r.n, kt, W, sc, sc_stride); break;
+        case 3: prefixserve_bf16::scores_rows<3>(qw, r.n, kt, W, sc, sc_stride); break;
+        default: prefixserve_bf16::scores_rows<4>(qw, r.n, kt, W, sc, sc_stride); break;
+    }
+    float alpha[MAX_MEMBERS * MAX_GROUP];
+    const uint32_t* prow[MAX_MEMBERS * MAX_GROUP];
+    float* acc[MAX_MEMBERS * MAX_GROUP];
+    for (int x = 0; x < r.n; ++x) {
+        float* s = sc + x * sc_stride;
+        float* st = r.st[x];
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int c = 0; c < chunks; ++c) {
+            const __mmask16 valid = static_cast<__mmask16>(n - 16 * c >= 16 ? 0xffff : (1u << (n - 16 * c)) - 1);
+            m = _mm512_mask_max_ps(m, valid, m, _mm512_load_ps(s + c * 16));
+        }
+        const float mx = std::max(st[0], _mm512_reduce_max_ps(m));
+        alpha[x] = std::exp(st[0] - mx);
+        __m512 sum = _mm512_setzero_ps();
+        const __m512 mv = _mm512_set1_ps(mx);
+        __m512 e[TILE_KEYS / 16];
+        for (int c = 0; c < TILE_KEYS / 16; ++c) {
+            const __mmask16 valid = static_cast<__mmask16>(n - 16 * c >= 16 ? 0xffff : n - 16 * c > 0 ?
+                                                           (1u << (n - 16 * c)) - 1 : 0);
+            e[c] = c < chunks ? _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_load_ps(s + c * 16), mv)))
+                              : _mm512_setzero_ps();
+            sum = _mm512_add_ps(sum, e[c]);
+        }
+        st[0] = mx;
+        st[1] = st[1] * alpha[x] + _mm512_reduce_add_ps(sum);
+        uint32_t* pr = pw + x * PAIRS;
+        for (int c = 0; c < TILE_KEYS / 16; c += 2) prefixserve_bf16::pack_p(e[c], e[c + 1], pr + c * 8);
+        prow[x] = pr;
+        acc[x] = st + 2;
+    }
+    prefixserve_bf16::values_rows<NV>(acc, alpha, prow, vt, (n + 1) / 2, r.n);
+}
+#endif
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -385,7 +438,7 @@ void tile_avx2(const Rows& r, const KV* const* krow, const KV* const* vrow, int 
 }
 #endif
 
-constexpr int TILE = 64;
+constexpr int TILE = TILE_KEYS;
 
 // Where tokens t..t + m of a table start in the caches (every KV head of a token follows from there).
 inline void rows_at(const Args& a, const int32_t* table, int t, int m, int64_t* kb, int64_t* vb) {
@@ -438,6 +491,19 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
     thread_local std::vector<float> qbuf, sbuf, kbuf;        // the scaled queries; scores; a transposed K tile
                                                             // (AVX2: the scores' partial sums)
     qbuf.resize(static_cast<size_t>(nmem) * H * D);
+#if defined(PREFIXSERVE_BF16)
+    // bf16 caches: the queries as bf16 pairs, V interleaved, the weights as bf16 pairs (tile_bf16)
+    thread_local std::vector<uint32_t> qwbuf, vbuf, pbuf;
+    uint32_t *qw = nullptr, *vt = nullptr, *pw = nullptr;
+    if constexpr (sizeof(KV) == 2 && NV % 2 == 0) {
+        qwbuf.resize(static_cast<size_t>(nmem) * H * D / 2);
+        vbuf.resize(static_cast<size_t>(TILE / 2) * D + 16);
+        pbuf.resize(static_cast<size_t>(nmem) * G * TILE / 2);
+        qw = qwbuf.data();
+        vt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(vbuf.data()) + 63) & ~uintptr_t{63});
+        pw = pbuf.data();
+    }
+#endif
     sbuf.resize(static_cast<size_t>(nmem) * G * TILE + 16);
     kbuf.resize(static_cast<size_t>(TILE) * std::max(D, 32) + 16);
     float* qs = qbuf.data();
@@ -451,6 +517,10 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
         for (int x = 0; x < H * D; ++x) qs[i * H * D + x] = qp[x] * a.scale;
 #endif
     }
+#if defined(PREFIXSERVE_BF16)
+    if constexpr (sizeof(KV) == 2 && NV % 2 == 0)
+        for (int i = 0; i < nmem * H; ++i) prefixserve_bf16::pack_q(qs + i * D, 1.f, D, qw + i * (D / 2));
+#endif
     for (int i = 0; i < nmem * H; ++i) {
         part[i * PS] = -INFINITY;
         part[i * PS + 1] = 0.f;
@@ -478,7 +548,15 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
                 krow[j] = kc + kb[j] + h * a.kc_head;
                 vrow[j] = vc + vb[j] + h * a.vc_head;
             }
-#if defined(__AVX512F__)
+#if defined(PREFIXSERVE_BF16)
+            if constexpr (sizeof(KV) == 2 && NV % 2 == 0) {      // whole bf16 pair vectors: head_dim % 32 == 0
+                const uint32_t* qrow[MAX_MEMBERS * MAX_GROUP];
+                for (int x = 0; x < r.n; ++x) qrow[x] = qw + ((x / G) * H + h * G + x % G) * (D / 2);
+                tile_bf16<NV>(r, qrow, krow, vrow, n, reinterpret_cast<uint32_t*>(kt), vt, pw, sc, TILE);
+            } else {
+                tile_avx512<KV, NV>(r, krow, vrow, n, kt, sc, TILE);
+            }
+#elif defined(__AVX512F__)
             tile_avx512<KV, NV>(r, krow, vrow, n, kt, sc, TILE);
 #elif defined(PREFIXSERVE_AVX2)
             tile_avx2<KV, TILE>(r, krow, vrow, n, D, kt, sc, TILE);
@@ -612,9 +690,13 @@ int prefixserve_paged_decode(const float* q, const float* k, const float* v, int
 
 int prefixserve_num_threads() { return omp_get_max_threads(); }
 
-// The loops this build runs: "avx512", "avx2" or "generic".
+// The loops this build runs: "avx512_bf16" (bf16 products over bf16 caches of a head_dim that is a multiple of 32,
+// float32 ones otherwise),
+// "avx512", "avx2" or "generic".
 const char* prefixserve_paged_decode_path() {
-#if defined(__AVX512F__)
+#if defined(PREFIXSERVE_BF16)
+    return "avx512_bf16";
+#elif defined(__AVX512F__)
     return "avx512";
 #elif defined(PREFIXSERVE_AVX2)
     return "avx2";

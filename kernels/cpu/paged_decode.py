@@ -8,11 +8,17 @@ strides and makes the work plan (`plan`); the C++ file has the algorithm.
     key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim] float32 or bfloat16
     (any strides with head_dim contiguous: a layer's slice of the [layers, blocks, ...] cache)
 
-NOTE: decode keeps float32 products. bf16 dot products (as the prefill kernel's, kernels/cpu/bf16_tile.h)
-were measured 8-26% faster a step here, but rounding each step's query to bf16 turns the last-bit
-differences between two ways of computing the same prompt (a pinned prefix, or blocks another request
-computed) into different greedy tokens a few tokens later (tests/service/openai/test_real_model_http.py,
-named prefix against inline): not worth 2-5% of a step.
+NOTE: products. Over a bf16 cache (head_dim a multiple of 32), an AVX-512 BF16 build (path "avx512_bf16") computes
+scores and values as bf16 dot products (vdpbf16ps, the prefill kernel's tiles: kernels/cpu/bf16_tile.h), q * scale
+and the softmax weights rounded to bf16, the running max, sum and accumulators float32; agreement criterion: within
+0.5% of the largest |V| of the float64 reference, as the prefill kernel's bf16 tiles. Every other build and
+head_dim, and float32 caches everywhere, keep float32 products (within float32 rounding). Measured on a Zen 4, in
+process, the two builds alternating: the offline throughput load 487 / 500 -> 530 / 517 tok/s; 15 sequences sharing
+a 3,072-token prefix (cascade), 30 layers: 34-44 -> 31-34 ms. Once, bf16 products were taken out: rounding each
+step's query to bf16 turned the last-bit differences between two ways of computing the same prompt (a pinned prefix,
+or the prompt inline) into different greedy tokens a few tokens later (tests/service/openai/test_real_model_http.py,
+named prefix against inline). Those differences came from oneDNN's GEMM, whose rows depend on the step's row count;
+a GGUF Q4 layer's wide steps now run kernels/cpu/int4_gemm.py gemm_bf16, whose rows do not, and the test passes.
 
 NOTE: a decode step's K / V are far larger than L3 (64 sequences of ~200 tokens: ~350 MB over 30 layers), so
 their reads, not the arithmetic, set its time. The kernel reads each tile's rows a tile ahead, and an item's
@@ -159,7 +165,8 @@ class PagedDecode:
         f.restype = ctypes.c_int
         self._fn = f
         lib.prefixserve_paged_decode_path.restype = ctypes.c_char_p
-        self.path: str = lib.prefixserve_paged_decode_path().decode()    # the loops it runs: avx512, avx2, generic
+        # the loops it runs: avx512_bf16, avx512, avx2, generic
+        self.path: str = lib.prefixserve_paged_decode_path().decode()
         self.num_threads = lib.prefixserve_num_threads               # its OpenMP threads (torch's)
         self.num_threads.restype = ctypes.c_int
 
