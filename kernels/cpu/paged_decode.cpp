@@ -211,6 +211,30 @@ inline void values_rows(float* const* st, const float* alpha, const float* p, in
     }
 }
 
+// One row's online-softmax update over its scores s[0, n) of a tile (chunks of 16): the weights e^(s - max) replace
+// the scores (zero past n to the chunks' end), the running max and sum st[0], st[1] move on; returns the factor
+// e^(old max - new max) its accumulator takes.
+inline float row_weights(float* s, float* st, int n, int chunks) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int c = 0; c < chunks; ++c) {
+        const __mmask16 valid = static_cast<__mmask16>(n - 16 * c >= 16 ? 0xffff : (1u << (n - 16 * c)) - 1);
+        m = _mm512_mask_max_ps(m, valid, m, _mm512_load_ps(s + c * 16));
+    }
+    const float mx = std::max(st[0], _mm512_reduce_max_ps(m));
+    const float alpha = std::exp(st[0] - mx);
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(mx);
+    for (int c = 0; c < chunks; ++c) {
+        const __mmask16 valid = static_cast<__mmask16>(n - 16 * c >= 16 ? 0xffff : (1u << (n - 16 * c)) - 1);
+        const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_load_ps(s + c * 16), mv)));
+        _mm512_store_ps(s + c * 16, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    st[0] = mx;
+    st[1] = st[1] * alpha + _mm512_reduce_add_ps(sum);
+    return alpha;
+}
+
 // A tile of up to TILE tokens of one KV head, for every row: K transposed once, scores a few rows at a time,
 // one online-softmax update per row for the whole tile, then the V rows into register accumulators.
 template <typename KV, int NV>
@@ -228,27 +252,7 @@ void tile_avx512(const Rows& r, const KV* const* krow, const KV* const* vrow, in
         case 1: scores_rows<1>(r.q + x, kt, D, chunks, sc + x * sc_stride, sc_stride); break;
         default: break;
     }
-    for (int x = 0; x < r.n; ++x) {
-        float* s = sc + x * sc_stride;
-        float* st = r.st[x];
-        __m512 m = _mm512_set1_ps(-INFINITY);
-        for (int c = 0; c < chunks; ++c) {
-            const __mmask16 valid = static_cast<__mmask16>(n - 16 * c >= 16 ? 0xffff : (1u << (n - 16 * c)) - 1);
-            m = _mm512_mask_max_ps(m, valid, m, _mm512_load_ps(s + c * 16));
-        }
-        const float mx = std::max(st[0], _mm512_reduce_max_ps(m));
-        alpha[x] = std::exp(st[0] - mx);
-        __m512 sum = _mm512_setzero_ps();
-        const __m512 mv = _mm512_set1_ps(mx);
-        for (int c = 0; c < chunks; ++c) {
-            const __mmask16 valid = static_cast<__mmask16>(n - 16 * c >= 16 ? 0xffff : (1u << (n - 16 * c)) - 1);
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_load_ps(s + c * 16), mv)));
-            _mm512_store_ps(s + c * 16, p);
-            sum = _mm512_add_ps(sum, p);
-        }
-        st[0] = mx;
-        st[1] = st[1] * alpha[x] + _mm512_reduce_add_ps(sum);
-    }
+    for (int x = 0; x < r.n; ++x) alpha[x] = row_weights(sc + x * sc_stride, r.st[x], n, chunks);
     values_rows<KV, NV>(r.st, alpha, sc, sc_stride, vrow, n, r.n);
 }
 
@@ -274,30 +278,13 @@ void tile_bf16(const Rows& r, const uint32_t* const* qw, const uint16_t* const* 
     float* acc[MAX_MEMBERS * MAX_GROUP];
     for (int x = 0; x < r.n; ++x) {
         float* s = sc + x * sc_stride;
-        float* st = r.st[x];
-        __m512 m = _mm512_set1_ps(-INFINITY);
-        for (int c = 0; c < chunks; ++c) {
-            const __mmask16 valid = static_cast<__mmask16>(n - 16 * c >= 16 ? 0xffff : (1u << (n - 16 * c)) - 1);
-            m = _mm512_mask_max_ps(m, valid, m, _mm512_load_ps(s + c * 16));
-        }
-        const float mx = std::max(st[0], _mm512_reduce_max_ps(m));
-        alpha[x] = std::exp(st[0] - mx);
-        __m512 sum = _mm512_setzero_ps();
-        const __m512 mv = _mm512_set1_ps(mx);
-        __m512 e[TILE_KEYS / 16];
-        for (int c = 0; c < TILE_KEYS / 16; ++c) {
-            const __mmask16 valid = static_cast<__mmask16>(n - 16 * c >= 16 ? 0xffff : n - 16 * c > 0 ?
-                                                           (1u << (n - 16 * c)) - 1 : 0);
-            e[c] = c < chunks ? _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_load_ps(s + c * 16), mv)))
-                              : _mm512_setzero_ps();
-            sum = _mm512_add_ps(sum, e[c]);
-        }
-        st[0] = mx;
-        st[1] = st[1] * alpha[x] + _mm512_reduce_add_ps(sum);
+        alpha[x] = row_weights(s, r.st[x], n, chunks);
         uint32_t* pr = pw + x * PAIRS;
-        for (int c = 0; c < TILE_KEYS / 16; c += 2) prefixserve_bf16::pack_p(e[c], e[c + 1], pr + c * 8);
+        for (int c = 0; c < TILE_KEYS / 16; c += 2)
+            prefixserve_bf16::pack_p(c < chunks ? _mm512_load_ps(s + c * 16) : _mm512_setzero_ps(),
+                                     c + 1 < chunks ? _mm512_load_ps(s + c * 16 + 16) : _mm512_setzero_ps(), pr + c * 8);
         prow[x] = pr;
-        acc[x] = st + 2;
+        acc[x] = r.st[x] + 2;
     }
     prefixserve_bf16::values_rows<NV>(acc, alpha, prow, vt, (n + 1) / 2, r.n);
 }

@@ -11,7 +11,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models.quant import DENSE_FROM_ROWS, GROUP, Int4Linear, Int8Linear, QuantLogits, gguf_q4
 from kernels import quant_gemm as qg
-from kernels.ops import default_ops
+from kernels.ops import Ops, default_ops
 
 # bfloat16 activations (8 mantissa bits: 2^-9 relative per element) through a dot product of a few
 # hundred terms: the output's relative error is a few 1e-3 (measured 3.4e-3 on SmolLM2's projections).
@@ -139,6 +139,16 @@ def test_wide_steps_take_the_dense_gemm() -> None:
     assert rel_err(exact(x, wide=True), exact(x)) < REL_TOL           # a prompt chunk: the dense GEMM
 
 
+def gguf_q4_layer(ops: Ops, seed: int) -> tuple[Int4Linear, torch.Tensor]:
+    """A 96 x 128 layer as a GGUF Q4 file gives it (4-bit values, scales, zeros; no float weight) and its bias;
+    torch's global generator seeded for the test's own draws after it."""
+    torch.manual_seed(seed)
+    q, scale, zero = (torch.randint(0, 16, (96, 128), dtype=torch.int32), torch.rand(96, 4) * 0.01,
+                      torch.randn(96, 4) * 0.01)
+    b = torch.randn(96)
+    return Int4Linear(q, scale, zero, b, ops=ops), b
+
+
 def test_wide_decode_steps_of_gguf_q4_layers_decode_the_4_bit_weights() -> None:
     """Where wide steps are float32 GEMMs (AVX2), a GGUF Q4 layer's decode steps of DENSE_FROM_ROWS rows and more
     take our panel-decoding int4 GEMM (int4_gemm.cpp gemm_wide: its bits exactly), a prompt chunk the dense
@@ -146,11 +156,7 @@ def test_wide_decode_steps_of_gguf_q4_layers_decode_the_4_bit_weights() -> None:
     ops = default_ops()
     if ops._int4 is None:
         pytest.skip("wide steps are bfloat16 GEMMs on this CPU (or the C++ kernels are off)")
-    torch.manual_seed(3)
-    q, scale, zero = (torch.randint(0, 16, (96, 128), dtype=torch.int32), torch.rand(96, 4) * 0.01,
-                      torch.randn(96, 4) * 0.01)
-    b = torch.randn(96)
-    exact = Int4Linear(q, scale, zero, b, ops=ops)
+    exact, b = gguf_q4_layer(ops, seed=3)
     x = torch.randn(DENSE_FROM_ROWS + 5, 128)
     own = ops._int4.gemm_wide(x, exact.q8, exact.sz8) + b
     assert rel_err(ops.linear(exact, x, prefill=True), own) < 1e-5  # a prompt chunk: the dense GEMM, same values
@@ -171,11 +177,7 @@ def test_wide_steps_of_gguf_q4_layers_run_the_int4_bf16_gemm_and_keep_no_dense_c
     ops = default_ops()
     if not ops.wide_int4_bf16:
         pytest.skip("wide steps are not bfloat16 GEMMs on this CPU (or the C++ kernels are off)")
-    torch.manual_seed(4)
-    q, scale, zero = (torch.randint(0, 16, (96, 128), dtype=torch.int32), torch.rand(96, 4) * 0.01,
-                      torch.randn(96, 4) * 0.01)
-    b = torch.randn(96)
-    exact = Int4Linear(q, scale, zero, b, ops=ops)
+    exact, b = gguf_q4_layer(ops, seed=4)
     assert exact.dense.numel() == 0 and exact.w4.shape == (6, 64, 16)
     for rows, prefill in ((DENSE_FROM_ROWS + 5, False), (DENSE_FROM_ROWS + 5, True), (3, True)):
         x = torch.randn(rows, 128).to(torch.bfloat16)
