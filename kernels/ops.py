@@ -112,10 +112,12 @@ class Ops:
         # traced graph (a ctypes call), not in the batch-invariant mode (its int4 kernel is torch's, tested so)
         self._int4 = None if self.cpu is None or config.traced or config.batch_invariant or \
             qg.DENSE_DTYPE != torch.float32 else self.cpu.int4
-        # the wide decode steps' int4 x bfloat16 GEMM (kernels/cpu/int4_gemm.py gemm_bf16), where the dense GEMM is
-        # oneDNN's bfloat16 one and the build has AVX-512 BF16: not traced, not batch-invariant (as above)
+        # the wide steps' int4 x bfloat16 GEMM (kernels/cpu/int4_gemm.py gemm_bf16), where the dense GEMM is oneDNN's
+        # bfloat16 one and the build has AVX-512 BF16: not traced, not batch-invariant (as above), and not on a CPU
+        # with AMX, whose tile units oneDNN's GEMM uses (several times vdpbf16ps' rate; not measured here)
         self._int4_bf16 = None if self.cpu is None or config.traced or config.batch_invariant or \
-            qg.DENSE_DTYPE != torch.bfloat16 or not self.cpu.int4.has_bf16 else self.cpu.int4
+            qg.DENSE_DTYPE != torch.bfloat16 or not self.cpu.int4.has_bf16 or "amx_bf16" in cpu_flags() \
+            else self.cpu.int4
         self.quantized_gemms = on_cpu            # torch's int4 / int8 kernels are CPU kernels
         ops: dict[str, str] = {}
         variant = f"c++ {self.cpu.variant}" if self.cpu is not None else "torch"
@@ -248,10 +250,10 @@ class Ops:
         prefill chunk or of DENSE_FROM_ROWS rows and more, its int4 / int8 kernel otherwise; where wide steps are
         float32 GEMMs (AVX2), an int4 layer's narrow steps take our row-blocked int4 GEMM (`gemm`) and, where its
         dense weight is its 4-bit values (GGUF Q4), its wide decode steps our panel-decoding one (`gemm_wide`,
-        the same weights at 1.2x the dense GEMM's speed); where wide steps are bfloat16 GEMMs (AVX-512 BF16), such a
-        layer's wide steps, prompt chunks included, take our int4 x bfloat16 GEMM (`gemm_bf16`: the dense copy's
-        weights decoded a block at a time, none kept); in the batch-invariant mode, torch's int4 / int8 kernel
-        always.
+        the same weights at 1.2x the dense GEMM's speed); where wide steps are bfloat16 GEMMs (AVX-512 BF16, no
+        AMX), such a layer's wide steps, prompt chunks included, take our int4 x bfloat16 GEMM (`gemm_bf16`: the
+        dense copy's weights decoded a block at a time, none kept); in the batch-invariant mode, torch's int4 /
+        int8 kernel always.
 
         NOTE: why per step and not per row count alone: a prompt's tokens must go through the same kernel
         whether they are computed in one prefill or in two (a registered prefix, then the request's own

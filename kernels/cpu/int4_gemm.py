@@ -11,7 +11,7 @@
     pack_bf16(q, s, z)    (w4 [N / 16, K / 2, 16] uint8: byte (p, w, j) holds q[16 p + j, 2 w] and, above it,
                           q[16 p + j, 2 w + 1]; sz [N / 16, K / 32, 2, 16] bfloat16: s, then z) for gemm_bf16
     gemm_bf16(x, w4, sz)  x [T, K] bfloat16 -> y [T, N] bfloat16 = x @ W^T on AVX-512 BF16 builds (`has_bf16`),
-                          for wide decode steps where the dense GEMM is oneDNN's bfloat16 one: each block of 32
+                          for wide steps where the dense GEMM is oneDNN's bfloat16 one (no AMX): each block of 32
                           outputs decoded over the whole K into the dense copy's bfloat16 weights (L2), then
                           vdpbf16ps over every row; the weights read from memory are 4-bit (with bfloat16 scales:
                           a third of the dense copy's bytes)

@@ -193,6 +193,20 @@ def test_wide_steps_of_gguf_q4_layers_run_the_int4_bf16_gemm_and_keep_no_dense_c
     assert rel_err(ops.linear(kept, x, prefill=False).float(), x.float() @ w.T + b) < 2e-2
 
 
+def test_a_cpu_with_amx_keeps_onednns_gemm_for_wide_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gemm_bf16 beats oneDNN's AVX-512 BF16 GEMM, not its AMX one: where the CPU has AMX, a GGUF Q4 layer's wide
+    steps stay oneDNN's (the layer keeps its dense copy)."""
+    if not default_ops().wide_int4_bf16:
+        pytest.skip("gemm_bf16 does not serve on this CPU")
+    import kernels.ops as ops_module
+    flags = ops_module.cpu_flags()
+    monkeypatch.setattr(ops_module, "cpu_flags", lambda: flags | {"amx_tile", "amx_bf16", "amx_int8"})
+    ops = Ops(default_ops().config)
+    assert not ops.wide_int4_bf16
+    layer, _ = gguf_q4_layer(ops, seed=5)
+    assert layer.w4.numel() == 0 and layer.dense.numel() == 96 * 128
+
+
 def test_quantized_answers_do_not_depend_on_how_much_of_the_prompt_was_cached(tiny_llama_dir: Path) -> None:
     """The fast path mixes kernels (4-bit for decode rows, bfloat16 GEMMs for prefill chunks; a C++ decode
     kernel and flash prefill): a prompt's tokens must take the same ones whether they are computed in one
