@@ -169,8 +169,8 @@ class Ops:
     # -- elementwise ------------------------------------------------------------------------------------------------
     @property
     def wide_int4_bf16(self) -> bool:
-        """Whether wide decode steps of a GGUF int4 layer run the C++ int4 x bfloat16 GEMM (its weights packed by
-        engine/models/quant.py for it)."""
+        """Whether the wide steps (prompt chunks, decode steps of DENSE_FROM_ROWS rows or more) of a GGUF int4 layer
+        run the C++ int4 x bfloat16 GEMM (its weights packed by engine/models/quant.py for it)."""
         return self._int4_bf16 is not None
 
     @property
@@ -261,18 +261,18 @@ class Ops:
         kind = getattr(layer, "kind", None)
         if kind is None:
             return F.linear(x, layer.weight, layer.bias)
-        if self._int4_bf16 is not None and kind == "int4" and layer.w4.numel() and \
-                (prefill or x.shape[0] >= qg.DENSE_FROM_ROWS):
-            # a wide step (as `_dense`): the dense copy's bfloat16 weights decoded from 4 bits a block at a time (a
+        wide = prefill or x.shape[0] >= qg.DENSE_FROM_ROWS
+        if self._int4_bf16 is not None and kind == "int4" and layer.w4.numel() and wide:
+            # a wide step: the dense copy's bfloat16 weights decoded from 4 bits a block at a time (a
             # third of its bytes from memory; kernels/cpu/int4_gemm.py gemm_bf16, measured in engine/models/quant.py)
             y = self._int4_bf16.gemm_bf16(x.to(torch.bfloat16).contiguous(), layer.w4, layer.sz4)
             return y.to(x.dtype) if layer.bias is None else (y.float() + layer.bias.float()).to(x.dtype)
         own = self._int4 if kind == "int4" and layer.q8.numel() else None
-        if own is not None and layer.dense_is_int4 and not prefill and x.shape[0] >= qg.DENSE_FROM_ROWS:
+        if own is not None and layer.dense_is_int4 and wide and not prefill:
             # a wide decode step: our int4 GEMM that decodes a panel for every row (1.2x oneDNN's float32 GEMM
             # over SmolLM2's projections at 64 rows, weights cold, kernels/cpu/int4_gemm.py)
             return self._own_int4(own.gemm_wide, layer, x)
-        if self._dense(layer, x.shape[0], prefill):
+        if wide and not self.config.batch_invariant and layer.dense.numel():
             return qg.dense_mm(x, layer.dense, layer.bias)
         if own is not None:
             return self._own_int4(own.gemm, layer, x)
@@ -287,11 +287,6 @@ class Ops:
         y = gemm(x.float().contiguous(), layer.q8, layer.sz8)
         y = y if layer.bias is None else y.add_(layer.bias.float())
         return y.to(x.dtype)
-
-    def _dense(self, layer: Any, rows: int, prefill: bool) -> bool:
-        if self.config.batch_invariant or layer.dense.numel() == 0:
-            return False
-        return prefill or rows >= qg.DENSE_FROM_ROWS
 
     def logits(self, head: Any, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> float32 [T, vocab]. A quantized head (engine/models/quant.py QuantLogits: `kind` "head",
