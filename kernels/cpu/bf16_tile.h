@@ -103,6 +103,17 @@ inline void scores_rows(const uint32_t* const* q, int rows, const uint32_t* kt, 
     }
 }
 
+// Scores of `rows` rows over a tile's `chunks` (1 to 4) chunks of 16 keys.
+inline void scores_chunks(const uint32_t* const* q, int rows, const uint32_t* kt, int W, int chunks, float* sc,
+                          int stride) {
+    switch (chunks) {
+        case 1: scores_rows<1>(q, rows, kt, W, sc, stride); break;
+        case 2: scores_rows<2>(q, rows, kt, W, sc, stride); break;
+        case 3: scores_rows<3>(q, rows, kt, W, sc, stride); break;
+        default: scores_rows<4>(q, rows, kt, W, sc, stride); break;
+    }
+}
+
 // acc_t = alpha_t acc_t + sum over token pairs i of p_t[i] . vt[i], T rows, the accumulators in registers.
 template <int NV, int T>
 inline void values_tile(float* const* acc, const float* alpha, const uint32_t* const* p, const uint32_t* vt,

@@ -32,7 +32,7 @@ constexpr int MAX_GROUP = 16;
 constexpr int MAX_HEADS = 64;
 constexpr int MAX_BLOCK = 256;
 constexpr int MAX_MEMBERS = 16;
-constexpr int TILE_KEYS = 64;    // keys a tile (TILE below; the bf16 tile's buffers are sized by it)
+constexpr int TILE = 64;          // keys a tile
 
 
 
@@ -263,16 +263,11 @@ void tile_avx512(const Rows& r, const KV* const* krow, const KV* const* vrow, in
 template <int NV>
 void tile_bf16(const Rows& r, const uint32_t* const* qw, const uint16_t* const* krow, const uint16_t* const* vrow,
                int n, uint32_t* kt, uint32_t* vt, uint32_t* pw, float* sc, int sc_stride) {
-    constexpr int D = 16 * NV, W = 8 * NV, PAIRS = TILE_KEYS / 2;
+    constexpr int D = 16 * NV, W = 8 * NV, PAIRS = TILE / 2;
     const int chunks = (n + 15) / 16;
     prefixserve_bf16::pack_k(krow, n, D, kt);
     prefixserve_bf16::pack_v(vrow, n, D, vt);
-    switch (chunks) {
-        case 1: prefixserve_bf16::scores_rows<1>(qw, r.n, kt, W, sc, sc_stride); break;
-        case 2: prefixserve_bf16::scores_rows<2>(qw, r.n, kt, W, sc, sc_stride); break;
-        case 3: prefixserve_bf16::scores_rows<3>(qw, r.n, kt, W, sc, sc_stride); break;
-        default: prefixserve_bf16::scores_rows<4>(qw, r.n, kt, W, sc, sc_stride); break;
-    }
+    prefixserve_bf16::scores_chunks(qw, r.n, kt, W, chunks, sc, sc_stride);
     float alpha[MAX_MEMBERS * MAX_GROUP];
     const uint32_t* prow[MAX_MEMBERS * MAX_GROUP];
     float* acc[MAX_MEMBERS * MAX_GROUP];
@@ -280,7 +275,7 @@ void tile_bf16(const Rows& r, const uint32_t* const* qw, const uint16_t* const* 
         float* s = sc + x * sc_stride;
         alpha[x] = row_weights(s, r.st[x], n, chunks);
         uint32_t* pr = pw + x * PAIRS;
-        for (int c = 0; c < TILE_KEYS / 16; c += 2)
+        for (int c = 0; c < TILE / 16; c += 2)
             prefixserve_bf16::pack_p(c < chunks ? _mm512_load_ps(s + c * 16) : _mm512_setzero_ps(),
                                      c + 1 < chunks ? _mm512_load_ps(s + c * 16 + 16) : _mm512_setzero_ps(), pr + c * 8);
         prow[x] = pr;
@@ -425,7 +420,6 @@ void tile_avx2(const Rows& r, const KV* const* krow, const KV* const* vrow, int 
 }
 #endif
 
-constexpr int TILE = TILE_KEYS;
 
 // Where tokens t..t + m of a table start in the caches (every KV head of a token follows from there).
 inline void rows_at(const Args& a, const int32_t* table, int t, int m, int64_t* kb, int64_t* vb) {
@@ -479,10 +473,12 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
                                                             // (AVX2: the scores' partial sums)
     qbuf.resize(static_cast<size_t>(nmem) * H * D);
 #if defined(PREFIXSERVE_BF16)
-    // bf16 caches: the queries as bf16 pairs, V interleaved, the weights as bf16 pairs (tile_bf16)
+    // bf16 caches of whole bf16 pair vectors (head_dim % 32 == 0) take tile_bf16: the queries as bf16 pairs, V
+    // interleaved, the weights as bf16 pairs
+    constexpr bool bf16_tiles = sizeof(KV) == 2 && NV % 2 == 0;
     thread_local std::vector<uint32_t> qwbuf, vbuf, pbuf;
     uint32_t *qw = nullptr, *vt = nullptr, *pw = nullptr;
-    if constexpr (sizeof(KV) == 2 && NV % 2 == 0) {
+    if constexpr (bf16_tiles) {
         qwbuf.resize(static_cast<size_t>(nmem) * H * D / 2);
         vbuf.resize(static_cast<size_t>(TILE / 2) * D + 16);
         pbuf.resize(static_cast<size_t>(nmem) * G * TILE / 2);
@@ -505,7 +501,7 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
 #endif
     }
 #if defined(PREFIXSERVE_BF16)
-    if constexpr (sizeof(KV) == 2 && NV % 2 == 0)
+    if constexpr (bf16_tiles)
         for (int i = 0; i < nmem * H; ++i) prefixserve_bf16::pack_q(qs + i * D, 1.f, D, qw + i * (D / 2));
 #endif
     for (int i = 0; i < nmem * H; ++i) {
@@ -536,7 +532,7 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
                 vrow[j] = vc + vb[j] + h * a.vc_head;
             }
 #if defined(PREFIXSERVE_BF16)
-            if constexpr (sizeof(KV) == 2 && NV % 2 == 0) {      // whole bf16 pair vectors: head_dim % 32 == 0
+            if constexpr (bf16_tiles) {
                 const uint32_t* qrow[MAX_MEMBERS * MAX_GROUP];
                 for (int x = 0; x < r.n; ++x) qrow[x] = qw + ((x / G) * H + h * G + x % G) * (D / 2);
                 tile_bf16<NV>(r, qrow, krow, vrow, n, reinterpret_cast<uint32_t*>(kt), vt, pw, sc, TILE);

@@ -293,12 +293,7 @@ struct Bf16Tiles {
         float* sx = sc + static_cast<int64_t>(x0) * TILE;
         pack_k(krow, n, D, kt);
         pack_v(vrow, n, D, vt);
-        switch (chunks) {
-            case 1: scores_rows<1>(qrow + x0, rows, kt, W, sx, TILE); break;
-            case 2: scores_rows<2>(qrow + x0, rows, kt, W, sx, TILE); break;
-            case 3: scores_rows<3>(qrow + x0, rows, kt, W, sx, TILE); break;
-            default: scores_rows<4>(qrow + x0, rows, kt, W, sx, TILE); break;
-        }
+        scores_chunks(qrow + x0, rows, kt, W, chunks, sx, TILE);
         // each row's new max over its keys (those at positions <= its own), then the rescale factors e^(old - new)
         // 16 rows at a time, then each row's weights e^(s - max) as bf16 pairs (e^x as 2^(x log2 e): vexp2, one
         // float32 multiply-subtract per 16 weights; the scores stay in natural units, so q * scale, a power of two
