@@ -31,6 +31,16 @@ its KV head, queries as memory operands) instead of transposing K: the same time
 less code; its bf16 widening splits each 32-bit word into its two halves (no shuffle), so queries and
 accumulators keep [0, 2, .., 14, 1, 3, .., 15] order per 16 dimensions inside the kernel.
 
+NOTE: where the rest of a step goes on a Zen 4 (AVX-512 BF16 build, 2 threads; the same 64 sequences of 130-250
+tokens, 30 layers, a plan made once as the engine does): ~22 ms, of which ~13 ms are the reads (the kernel with its
+arithmetic taken out: ~21 GB/s of the ~24.5 this machine streams) and ~7.6 ms the arithmetic (all of it, with every
+block in cache: packing K and V into tiles ~40% of that), one after the other: the reads a tile ahead do not overlap
+the tile's arithmetic. Tried to overlap them, each against this kernel, builds alternating (ms for 30 layers: the
+medians of five runs for the first, the runs' ranges for the others): the reads split into one part before each KV
+head's tile, 22.3 against 22.5 (no gain); loads spread inside the tile's loops, 30-36 against 25-27; `_mm_prefetch`
+spread inside them, 26-29 against 20-26; the next tile packed straight from memory instead of read ahead, 25-31
+against 22-25. None kept.
+
 The plan is a list of items (members, blocks [b0, b1)): every sequence's blocks are covered exactly once
 for it, by its own items or by the shared items of its cascade group. Cascading changes only the order in
 which a sequence's partial softmax sums are merged: the result agrees with the plain plan within float32
