@@ -33,7 +33,11 @@ def _client(server: ServerThread, key: str, bearer: bool = False) -> anthropic.A
 
 
 def _system() -> str:
-    return f"Policy {uuid.uuid4().hex[:8]}: " + " ".join(f"rule{i} applies" for i in range(8))
+    """A system prompt no other test sent, from its first block on: the tag leads (the chat template's 7 tokens, then
+    the tag's characters), so no earlier prompt's cached block can match this one's first (a tag after "Policy "
+    left only its first 2-3 characters in block 0: 1 in 256 for each earlier prompt, and a pre-warm then wrote a
+    block less than it held)."""
+    return f"{uuid.uuid4().hex} policy: " + " ".join(f"rule{i} applies" for i in range(8))
 
 
 def _tokens(server: ServerThread, messages: list[dict[str, Any]]) -> list[int]:

@@ -22,9 +22,9 @@ def ac(server: ServerThread) -> Iterator[anthropic.Anthropic]:
 
 
 def _system(words: int = 8) -> str:
-    """A system prompt no other test sent (so nothing of it is cached yet)."""
-    tag = uuid.uuid4().hex[:8]
-    return f"Policy {tag}: " + " ".join(f"rule{i} applies" for i in range(words))
+    """A system prompt no other test sent (so nothing of it is cached yet, its first block included: the tag leads)."""
+    tag = uuid.uuid4().hex
+    return f"{tag} policy: " + " ".join(f"rule{i} applies" for i in range(words))
 
 
 def _events(url: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
