@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,13 @@ def tiny_config(model_dir: Any, **overrides: Any) -> ServiceConfig:
     base: dict[str, Any] = dict(model=str(model_dir), max_model_len=256, num_kv_blocks=512, max_num_seqs=64,
                                 keepalive_interval=5.0, shutdown_timeout=5.0)
     return ServiceConfig.from_flat(**{**base, **overrides})
+
+
+def fresh_system_prompt(words: int = 8) -> str:
+    """A system prompt no other test sent, so nothing of it is cached yet, its first block included: the random tag
+    leads (the chat template's 7 tokens, then the tag's characters). After "Policy " (the tiny checkpoint's 384-token
+    vocabulary), only the tag's first 2-3 characters fell in block 0: one earlier prompt in 256 shared that block."""
+    return f"{uuid.uuid4().hex} policy: " + " ".join(f"rule{i} applies" for i in range(words))
 
 
 class _Server:

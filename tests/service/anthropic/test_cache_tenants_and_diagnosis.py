@@ -13,7 +13,7 @@ import anthropic
 import pytest
 from openai import OpenAI
 
-from tests.helpers.server import ServerThread, http, tiny_config
+from tests.helpers.server import ServerThread, fresh_system_prompt, http, tiny_config
 
 A, B, ADMIN = "key-a-anthropic", "key-b-anthropic", "key-admin-anthropic"
 BLOCK = 16
@@ -30,14 +30,6 @@ def _client(server: ServerThread, key: str, bearer: bool = False) -> anthropic.A
     if bearer:      # Authorization: Bearer, as the OpenAI clients send it
         return anthropic.Anthropic(base_url=server.url, auth_token=key, api_key=None, max_retries=0, timeout=60)
     return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=60)
-
-
-def _system() -> str:
-    """A system prompt no other test sent, from its first block on: the tag leads (the chat template's 7 tokens, then
-    the tag's characters), so no earlier prompt's cached block can match this one's first (a tag after "Policy "
-    left only its first 2-3 characters in block 0: 1 in 256 for each earlier prompt, and a pre-warm then wrote a
-    block less than it held)."""
-    return f"{uuid.uuid4().hex} policy: " + " ".join(f"rule{i} applies" for i in range(8))
 
 
 def _tokens(server: ServerThread, messages: list[dict[str, Any]]) -> list[int]:
@@ -68,7 +60,7 @@ def test_keys_in_either_header_and_errors_in_anthropics_shape(keyed: ServerThrea
 
 def test_another_tenants_identical_prompt_neither_reads_nor_writes_the_first(keyed: ServerThread) -> None:
     model = keyed.state.model_name
-    system: Any = [{"type": "text", "text": _system(), "cache_control": {"type": "ephemeral"}}]
+    system: Any = [{"type": "text", "text": fresh_system_prompt(), "cache_control": {"type": "ephemeral"}}]
     ask: Any = [{"role": "user", "content": "Hello"}]
     a, b = _client(keyed, A), _client(keyed, B)
     first = a.messages.create(model=model, max_tokens=1, system=system, messages=ask).usage
@@ -97,7 +89,7 @@ def _diag(c: anthropic.Anthropic, model: str, system: str, messages: Any, previo
 def test_messages_cache_miss_reason(keyed: ServerThread) -> None:
     model = keyed.state.model_name
     a, b = _client(keyed, A), _client(keyed, B)
-    system = _system()
+    system = fresh_system_prompt()
     turns: Any = [{"role": "user", "content": "First question about rule3"},
                   {"role": "assistant", "content": "Rule3 applies."},
                   {"role": "user", "content": "And rule5?"}]
@@ -146,7 +138,7 @@ def test_responses_comparison_and_prewarm(keyed: ServerThread) -> None:
     model = keyed.state.model_name
     a = OpenAI(base_url=f"{keyed.url}/v1", api_key=A, max_retries=0, timeout=60)
     b = OpenAI(base_url=f"{keyed.url}/v1", api_key=B, max_retries=0, timeout=60)
-    instructions = _system()
+    instructions = fresh_system_prompt()
     ask = "Which rule applies to refunds?"
     warm = a.responses.create(model=model, instructions=instructions, input=ask,
                               extra_body={"prompt_cache_options": {"prewarm": True, "ttl": "5m"}})

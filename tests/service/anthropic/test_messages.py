@@ -5,26 +5,19 @@ from __future__ import annotations
 
 import http.client as httpc
 import json
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import pytest
 
-from tests.helpers.server import ServerThread, http
+from tests.helpers.server import ServerThread, fresh_system_prompt, http
 
 
 @pytest.fixture()
 def ac(server: ServerThread) -> Iterator[anthropic.Anthropic]:
     with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60) as c:
         yield c
-
-
-def _system(words: int = 8) -> str:
-    """A system prompt no other test sent (so nothing of it is cached yet, its first block included: the tag leads)."""
-    tag = uuid.uuid4().hex
-    return f"{tag} policy: " + " ".join(f"rule{i} applies" for i in range(words))
 
 
 def _events(url: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -177,7 +170,7 @@ def test_cache_control_writes_then_reads_with_both_ttls(ac: anthropic.Anthropic,
     """The first request writes the tokens up to each breakpoint (split by their TTLs), the second reads them;
     input_tokens is what is left; each breakpoint is a lease of its TTL."""
     before = set(_prefixes(server))
-    system: Any = [{"type": "text", "text": _system(), "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    system: Any = [{"type": "text", "text": fresh_system_prompt(), "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
     turn = "Here are the account notes: " + " ".join(f"note{i}" for i in range(6))
     messages: Any = [{"role": "user", "content": [{"type": "text", "text": turn,
                                                    "cache_control": {"type": "ephemeral", "ttl": "5m"}},
@@ -207,7 +200,7 @@ def test_cache_control_writes_then_reads_with_both_ttls(ac: anthropic.Anthropic,
 
 
 def test_a_warm_up_writes_and_generates_nothing(ac: anthropic.Anthropic, model_name: str) -> None:
-    system: Any = [{"type": "text", "text": _system(), "cache_control": {"type": "ephemeral"}}]
+    system: Any = [{"type": "text", "text": fresh_system_prompt(), "cache_control": {"type": "ephemeral"}}]
     ask: Any = [{"role": "user", "content": "Hi"}]
     warm = ac.messages.create(model=model_name, max_tokens=0, system=system, messages=ask)
     assert warm.content == [] and warm.usage.output_tokens == 0 and warm.usage.cache_creation_input_tokens >= 32
@@ -223,7 +216,7 @@ def test_a_lease_ends_after_its_ttl(ac: anthropic.Anthropic, server: ServerThrea
     import time
 
     before = set(_prefixes(server))
-    system: Any = [{"type": "text", "text": _system(), "cache_control": {"type": "ephemeral"}}]
+    system: Any = [{"type": "text", "text": fresh_system_prompt(), "cache_control": {"type": "ephemeral"}}]
     ac.messages.create(model=model_name, max_tokens=1, system=system, messages=[{"role": "user", "content": "Hi"}])
     (name,) = set(_prefixes(server)) - before
     engine = server.state.engine
