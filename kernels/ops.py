@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from kernels import quant_gemm as qg
 from kernels.cpu.build import variants
 from kernels.cpu.int4_gemm import Q8Head, fits
+from kernels.cpu.layers import LayerHalves
 from kernels.cpu.library import CpuKernels, KernelUnavailable, cpu_flags
 from kernels.cpu.library import load as load_cpu_kernels
 from kernels.cpu.logits import MAX_K
@@ -177,6 +178,14 @@ class Ops:
     def narrow_int4(self) -> bool:
         """Whether narrow steps' int4 layers run the C++ int4 GEMM (float32 activations) instead of torch's kernel."""
         return self._int4 is not None
+
+    def layer_halves(self, prefill: bool, rows: int, act: torch.dtype) -> LayerHalves | None:
+        """The C++ halves of a decoder layer (kernels/cpu/layers.py) for a step, where its projections take gemm_bf16
+        (a wide step, bfloat16 between the matmuls) and the fused kernels run; None: op by op. Whether the model's
+        layers fit is the model's to ask (`LayerHalves.fits`)."""
+        if self._int4_bf16 is None or self._fused is None or self.cpu is None or act != torch.bfloat16:
+            return None
+        return self.cpu.layers if prefill or rows >= qg.DENSE_FROM_ROWS else None
 
     def step_act(self, rows: int, prefill: bool) -> torch.dtype:
         """The activations between a mixed step's matmuls: float32 where its quantized layers take the dense GEMM

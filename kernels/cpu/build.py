@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCES = Path(__file__).resolve().parent
-KERNELS = ("paged_decode", "paged_prefill", "fused", "logits", "int4_gemm")
+KERNELS = ("paged_decode", "paged_prefill", "fused", "logits", "int4_gemm", "layers")
 COMMON_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
 MANIFEST = "manifest.json"
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from kernels.cpu.build import KERNELS, MANIFEST, SOURCES, source_digest, variants
 from kernels.cpu.fused import Fused
 from kernels.cpu.int4_gemm import Int4Gemm
+from kernels.cpu.layers import LayerHalves
 from kernels.cpu.logits import Logits
 from kernels.cpu.paged_decode import PagedDecode
 from kernels.cpu.paged_prefill import PagedPrefill
@@ -96,6 +97,7 @@ class CpuKernels:
     fused: Fused
     logits: Logits
     int4: Int4Gemm
+    layers: LayerHalves
     paths: dict[str, str] = field(default_factory=dict)      # kernel -> the loops it runs (avx2, avx512, ...)
 
 
@@ -116,8 +118,9 @@ def load(requested: str = "auto", directory: Path = LIB_DIR) -> CpuKernels:
     fused, logits, int4 = Fused(libs["fused"]), Logits(libs["logits"]), Int4Gemm(libs["int4_gemm"])
     paths = {"paged_decode": decode.path, "paged_prefill": prefill.path(), "fused": fused.path, "logits": logits.path,
              "int4_gemm": int4.path}
+    layers = LayerHalves(libs["layers"], libs["int4_gemm"], libs["fused"])
     return CpuKernels(variant, m.get("compiler_version") or m.get("compiler", ""), decode, prefill, fused, logits,
-                      int4, paths)
+                      int4, layers, paths)
 
 
 def built_variants(directory: Path = LIB_DIR) -> list[str]:

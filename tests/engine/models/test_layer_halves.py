@@ -1,0 +1,73 @@
+"""The C++ halves of a decoder layer (kernels/cpu/layers.py) on the real model: the same kernels in the same order as
+the op-by-op path, so the same tokens and the same log-probabilities, bit for bit, through prompt chunks, mixed
+steps, wide decode steps and the narrow ones that keep the op-by-op path; and the layers that do not fit keep it."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.quant import DENSE_FROM_ROWS
+from kernels.cpu.layers import LayerHalves
+from kernels.ops import Ops, default_ops
+
+
+def answers(path: Path, prompts: list[list[int]]) -> list[Any]:
+    # no prefix cache: each run computes every prompt as the other does (the same chunks, the same steps)
+    llm = LLM(str(path), max_model_len=1024, num_kv_blocks=512, enable_prefix_caching=False, max_num_batched_tokens=512)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3))
+    return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
+
+
+def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real_model_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if default_ops().layer_halves(True, 64, torch.bfloat16) is None:
+        pytest.skip("no C++ halves on this CPU: its wide steps do not take gemm_bf16 (no AVX-512 BF16, or AMX)")
+    rng = random.Random(7)
+    # 16 prompts of 30-300 tokens: chunks of a 512-token budget, steps mixing chunks and decodes, wide decode
+    # steps, then narrow ones (fewer than DENSE_FROM_ROWS sequences left) as the longest finish last
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 300))] for _ in range(16)]
+    calls: list[int] = []
+    real_pre = LayerHalves.pre
+
+    def pre(self: LayerHalves, s: Any, layer: Any, x: torch.Tensor, *a: Any) -> Any:
+        calls.append(x.shape[0])
+        return real_pre(self, s, layer, x, *a)
+
+    monkeypatch.setattr(LayerHalves, "pre", pre)
+    fast = answers(real_model_path, prompts)
+    assert calls and min(calls) >= DENSE_FROM_ROWS
+    monkeypatch.setattr(Ops, "layer_halves", lambda self, *a: None)
+    calls.clear()
+    slow = answers(real_model_path, prompts)
+    assert not calls
+    assert fast == slow
+
+
+def test_narrow_decode_steps_and_float32_activations_keep_the_op_by_op_path() -> None:
+    ops = default_ops()
+    if ops.layer_halves(True, 1, torch.bfloat16) is None:
+        pytest.skip("no C++ halves on this CPU")
+    assert ops.layer_halves(False, DENSE_FROM_ROWS, torch.bfloat16) is not None      # a wide decode step
+    assert ops.layer_halves(False, DENSE_FROM_ROWS - 1, torch.bfloat16) is None      # torch's int4 kernel
+    assert ops.layer_halves(True, 64, torch.float32) is None
+
+
+def test_a_model_whose_layers_do_not_all_take_gemm_bf16_does_not_fit(real_model_path: Path) -> None:
+    """A projection quantized here from a float weight keeps that weight for its wide steps (no packed 4-bit
+    weights): such a model keeps the op-by-op path."""
+    from engine.models.loader import load_model
+    from engine.models.quant import Int4Linear
+    ops = default_ops()
+    if ops.layer_halves(True, 64, torch.bfloat16) is None:
+        pytest.skip("no C++ halves on this CPU")
+    model = load_model(str(real_model_path)).model
+    assert LayerHalves.fits(model)
+    o = model.layers[5].self_attn.o_proj
+    assert o.w4.numel()
+    model.layers[5].self_attn.o_proj = Int4Linear.from_float(torch.randn(576, 576) * 0.01, None, ops)
+    assert not LayerHalves.fits(model)
