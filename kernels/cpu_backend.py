@@ -73,6 +73,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return cpu_decode.plan(block_tables, seq_lens, rows, block_size, cascade=not self.invariant,
                                split_blocks=self._split(block_size))
 
+    def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, md: AttentionMetadata) -> None:
+        """A step's K / V rows into the cache: the C++ kernel's write where it takes the shapes (the same bits as
+        torch's conversion and index_copy but for a NaN's, in one pass: 16 us a layer for 209 rows against torch's
+        52, measured on a Zen 4), torch's otherwise."""
+        _, block_size, num_kv_heads, head_dim = key_cache.shape
+        if self.kernels is not None and key.dtype == value.dtype == torch.float32 and md.kv_rows.dtype == torch.int64 \
+                and cpu_decode.supports(num_kv_heads, num_kv_heads, head_dim, block_size, key_cache.dtype):
+            self.kernels.decode.write(key, value, key_cache, value_cache, md.kv_rows.contiguous())
+            return
+        super().write_kv(key_cache, value_cache, key, value, md)
+
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
         """A decode step's layer in one C++ call (write K/V, then attend); anything else as write + forward."""

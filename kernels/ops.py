@@ -151,6 +151,9 @@ class Ops:
                 else:
                     head = f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} GEMM, top {BF16_HEAD_REFINE} exact"
                 ops["output layer, wide steps"] = head
+            if self._int4_bf16 is not None and self._fused is not None and self.cpu is not None:
+                ops["decoder layers, wide steps"] = (f"c++ {self.cpu.variant} halves around the attention "
+                                                     "(GGUF int4 layers: kernels/cpu/layers.py)")
         self.report = KernelReport(str(self.device), self.cpu.variant if self.cpu is not None else None, reason, ops,
                                    config.batch_invariant)
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from kernels import Attention as AttentionOps
 from kernels import AttentionMetadata
-from kernels.cpu.layers import LayerHalves
+from kernels.cpu.layers import BoundLayer, LayerHalves
 from kernels.ops import Ops, default_ops
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -244,7 +244,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.ops: Ops = default_ops()               # the op layer (the loader sets the engine's)
         self.mixed = False                          # quantized: bfloat16 between the matmuls (the loader sets it)
-        self._halves_fit: bool | None = None        # whether the layers take the C++ halves (asked at the first step)
+        # the layers as the C++ halves take them (bound at the first wide step; [] where they do not fit)
+        self._halves_layers: list[BoundLayer] | None = None
 
     def set_ops(self, ops: Ops) -> None:
         """The op layer this model (and its quantized modules, which hold one for their own forward) runs on."""
@@ -273,10 +274,11 @@ class LlamaForCausalLM(nn.Module):
         r: torch.Tensor | None = None
         between = self.ops.between_layers
         halves = self.ops.layer_halves(step.prefill, input_ids.shape[0], step.act) if step.mixed else None
-        if halves is not None and self._halves_fit is None:
-            self._halves_fit = halves.fits(self)
-        if halves is not None and self._halves_fit and x.dtype == torch.float32:
-            return self._forward_halves(halves, x, cos, sin, key_caches, value_caches, md, backend, between)
+        if halves is not None and self._halves_layers is None:
+            self._halves_layers = halves.bind(self) or []
+        if halves is not None and self._halves_layers and x.dtype == torch.float32:
+            return self._forward_halves(halves, self._halves_layers, x, cos, sin, key_caches, value_caches, md,
+                                        backend, between)
         for i, layer in enumerate(self.layers):
             r, x = layer(x, r, cos, sin, partial(backend_attend, backend, md, key_caches[i], value_caches[i],
                                                  self.scale), step)
@@ -284,24 +286,24 @@ class LlamaForCausalLM(nn.Module):
                 between()
         return self.ops.final_norm(x, r, self.norm.weight, self.norm.eps)
 
-    def _forward_halves(self, halves: LayerHalves, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        key_caches: torch.Tensor, value_caches: torch.Tensor, md: AttentionMetadata,
+    def _forward_halves(self, halves: LayerHalves, bound: list[BoundLayer], x: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, key_caches: torch.Tensor, value_caches: torch.Tensor, md: AttentionMetadata,
                         backend: AttentionOps, between: Callable[[], None] | None) -> torch.Tensor:
         """forward's layers as C++ halves around each attention (kernels/cpu/layers.py): the same kernels in the
         same order as DecoderLayer.forward's op-by-op path on a wide quantized step, so the same hidden states."""
-        a = self.args
-        s = halves.scratch(x.shape[0], a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size)
-        cos, sin = cos.reshape(x.shape[0], a.head_dim).contiguous(), sin.reshape(x.shape[0], a.head_dim).contiguous()
-        x = x.contiguous()
+        a, t = self.args, x.shape[0]
+        s = halves.scratch(x.contiguous(), cos.reshape(t, a.head_dim).contiguous(),
+                           sin.reshape(t, a.head_dim).contiguous(), a.num_heads, a.num_kv_heads, a.head_dim,
+                           a.intermediate_size)
         r: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
-            q, k, v = halves.pre(s, layer, x, r, cos, sin)
+        for i, layer in enumerate(bound):
+            q, k, v = halves.pre(s, layer, r)
             out = backend_attend(backend, md, key_caches[i], value_caches[i], self.scale, q, k, v).contiguous()
             r = s.r[i % 2]
-            halves.post(s, layer, out, x, r)
+            halves.post(s, layer, out, r)
             if between is not None:
                 between()
-        return self.ops.final_norm(x, r, self.norm.weight, self.norm.eps)
+        return self.ops.final_norm(s.x, r, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 [N, vocab]: a plain head's linear, or a quantized head's (it calls Ops.logits)."""

@@ -27,13 +27,13 @@ struct PrefixserveLayerKernels {
     void (*silu_mul)(const void* gu, int64_t gu_stride, void* y, int64_t y_stride, int T, int I, int act);
 };
 
-// r: the previous layer's output [T, H] bfloat16, or null (the first layer); w4 / sz: the qkv projection as
-// int4_gemm.py pack_bf16 made it; h [T, H], qkv [T, (Hq + 2 Hkv) D] bfloat16 scratch; q [T, Hq, D], k, v
-// [T, Hkv, D] float32 out. Returns gemm_bf16's code (0: done).
-int prefixserve_layer_pre(const PrefixserveLayerKernels* k, float* x, const uint16_t* r, const float* w_in,
-                          float eps, const uint8_t* w4, const uint16_t* sz, const float* cos, const float* sin,
-                          uint16_t* h, uint16_t* qkv, float* q, float* kk, float* v, int T, int H, int Hq, int Hkv,
-                          int D) {
+// x [T, H] float32 (+= r, in place); r: the previous layer's output [T, H] bfloat16, or null (the first layer);
+// w4 / sz: the qkv projection as int4_gemm.py pack_bf16 made it; cos, sin [T, D]; h [T, H], qkv [T, (Hq + 2 Hkv) D]
+// bfloat16 scratch; q [T, Hq, D], k, v [T, Hkv, D] float32 out. Returns gemm_bf16's code (0: done).
+int prefixserve_layer_pre(const PrefixserveLayerKernels* k, float* x, const uint16_t* r,
+                          const float* w_in, float eps, const uint8_t* w4, const uint16_t* sz,
+                          const float* cos, const float* sin, uint16_t* h, uint16_t* qkv, float* q, float* kk,
+                          float* v, int T, int H, int Hq, int Hkv, int D) {
     const int N = (Hq + 2 * Hkv) * D;
     if (r == nullptr) k->rms_norm(x, H, w_in, eps, h, H, T, H, 0);
     else k->add_rms_norm(x, H, r, H, w_in, eps, h, H, T, H, 0);
@@ -43,12 +43,14 @@ int prefixserve_layer_pre(const PrefixserveLayerKernels* k, float* x, const uint
     return 0;
 }
 
-// attn: the attention's output [T, QD] float32; a [T, QD], o, h [T, H], gu [T, 2 I], act [T, I] bfloat16 scratch;
-// r [T, H] bfloat16 out (the next layer's r). Returns the first gemm_bf16 code that is not 0, else 0.
-int prefixserve_layer_post(const PrefixserveLayerKernels* k, const float* attn, uint16_t* a, const uint8_t* o_w4,
-                           const uint16_t* o_sz, uint16_t* o, float* x, const float* w_post, float eps, uint16_t* h,
-                           const uint8_t* gu_w4, const uint16_t* gu_sz, uint16_t* gu, uint16_t* act,
-                           const uint8_t* dn_w4, const uint16_t* dn_sz, uint16_t* r, int T, int H, int QD, int I) {
+// attn: the attention's output [T, QD] float32; r [T, H] bfloat16 out (the next layer's r); the o, gate_up and down
+// projections and the norm's weight; x [T, H] float32 (+= o, in place); a [T, QD], o, h [T, H], gu [T, 2 I], act
+// [T, I] bfloat16 scratch. Returns the first gemm_bf16 code that is not 0, else 0.
+int prefixserve_layer_post(const PrefixserveLayerKernels* k, const float* attn, uint16_t* r,
+                           const uint8_t* o_w4, const uint16_t* o_sz, const float* w_post, float eps,
+                           const uint8_t* gu_w4, const uint16_t* gu_sz, const uint8_t* dn_w4, const uint16_t* dn_sz,
+                           float* x, uint16_t* a, uint16_t* o, uint16_t* h, uint16_t* gu, uint16_t* act,
+                           int T, int H, int QD, int I) {
     const int64_t n = static_cast<int64_t>(T) * QD;
     #pragma omp parallel for schedule(static) if (n >= 32768)
     for (int64_t i = 0; i < n; ++i) a[i] = prefixserve_bf16::float_to_bf16(attn[i]);

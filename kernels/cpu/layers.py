@@ -13,7 +13,7 @@ NOTE: why it pays. Measured on a 2-core Zen 4 (AVX-512 BF16), in process, 64 x 1
 spent ~8 ms and a prompt step ~24 ms outside the C++ kernels (Python, its launchers and torch's small ops), one core
 computing while the other waited at the next parallel region for it.
 
-Where it applies (`LayerHalves.fits`): every layer's four projections int4 with gemm_bf16's packed weights (a
+Where it applies (`LayerHalves.bind`): every layer's four projections int4 with gemm_bf16's packed weights (a
 GGUF Q4 model on an AVX-512 BF16 CPU without AMX: quant.py), no biases, float32 norm weights; and the step wide
 (a prompt chunk, or DENSE_FROM_ROWS rows and more: the steps whose projections take gemm_bf16) with bfloat16
 between its matmuls. Anything else keeps the op-by-op path.
@@ -35,20 +35,26 @@ class _Table(ctypes.Structure):
     _fields_ = [("gemm_bf16", _P), ("rms_norm", _P), ("add_rms_norm", _P), ("qkv_rope", _P), ("silu_mul", _P)]
 
 
+@dataclass(frozen=True)
+class BoundLayer:
+    """One layer's weights as the two calls take them: pointers into the layer's own tensors (`LayerHalves.bind`,
+    once after loading: a model's weights never change after it)."""
+
+    pre: tuple[int | float, ...]        # input norm weight, eps, qkv w4, sz
+    post: tuple[int | float, ...]       # o w4, sz, post norm weight, eps, gate_up w4, sz, down w4, sz
+
+
 @dataclass
 class LayerScratch:
-    """A step's buffers (the module docstring), for T rows."""
+    """A step's buffers (the module docstring), for T rows, and the calls' arguments that stay the same for every
+    layer of the step."""
 
-    h: torch.Tensor
-    qkv: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    a: torch.Tensor
-    o: torch.Tensor
-    gu: torch.Tensor
-    act: torch.Tensor
-    r: tuple[torch.Tensor, torch.Tensor]
+    x: torch.Tensor                                 # the residual stream [T, H] float32 (the step's, in place)
+    r: tuple[torch.Tensor, torch.Tensor]            # the layers' outputs, in turn
+    buffers: tuple[torch.Tensor, ...]               # what the pointers below point into
+    pre: tuple[int, ...]                            # cos, sin, h, qkv, q, k, v, T, H, Hq, Hkv, D
+    post: tuple[int, ...]                           # x, a, o, h, gu, act, T, H, QD, I
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # q, k, v: pre's outputs
 
 
 class LayerHalves:
@@ -60,64 +66,69 @@ class LayerHalves:
             int4.prefixserve_int4_gemm_bf16, fused.prefixserve_rms_norm, fused.prefixserve_add_rms_norm,
             fused.prefixserve_qkv_rope, fused.prefixserve_silu_mul)))
         self._pre = lib.prefixserve_layer_pre
-        self._pre.argtypes = [_P, _P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I]
+        self._pre.argtypes = [_P, _P, _P, _P, _F, _P, _P, *[_P] * 7, *[_I] * 5]
         self._pre.restype = _I
         self._post = lib.prefixserve_layer_post
-        self._post.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
+        self._post.argtypes = [_P, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P, *[_P] * 6, *[_I] * 4]
         self._post.restype = _I
         self._ptr = ctypes.addressof(self._table)
 
     @staticmethod
-    def fits(model: Any) -> bool:
-        """Whether every layer of `model` (engine/models/llama.py) takes the halves on a wide step."""
+    def bind(model: Any) -> list[BoundLayer] | None:
+        """Every layer of `model` (engine/models/llama.py) as the calls take it, or None where one does not take the
+        halves on a wide step (a projection that is not int4 with gemm_bf16's packed weights, a bias, a norm
+        weight that is not float32)."""
+        bound = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if getattr(lin, "kind", None) != "int4" or not lin.w4.numel() or lin.bias is not None:
-                    return False
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                if norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
-                    return False
-        return True
+            lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(getattr(lin, "kind", None) != "int4" or not lin.w4.numel() or lin.bias is not None for lin in lins):
+                return None
+            n_in, n_post = layer.input_layernorm, layer.post_attention_layernorm
+            if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in (n_in, n_post)):
+                return None
+            qkv, o, gu, dn = lins
+            bound.append(BoundLayer(
+                pre=(n_in.weight.data_ptr(), n_in.eps, qkv.w4.data_ptr(), qkv.sz4.data_ptr()),
+                post=(o.w4.data_ptr(), o.sz4.data_ptr(), n_post.weight.data_ptr(), n_post.eps, gu.w4.data_ptr(),
+                      gu.sz4.data_ptr(), dn.w4.data_ptr(), dn.sz4.data_ptr())))
+        return bound
 
     @staticmethod
-    def scratch(t: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> LayerScratch:
+    def scratch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                inter: int) -> LayerScratch:
+        """A step's buffers for x [T, H] float32 contiguous (updated in place by the calls) and cos, sin [T, D]
+        float32 contiguous."""
+        t, hidden = x.shape
+
         def e(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
             return torch.empty(*shape, dtype=dtype)
 
         f32 = torch.float32
-        return LayerScratch(h=e(t, hidden), qkv=e(t, (heads + 2 * kv_heads) * head_dim),
-                            q=e(t, heads, head_dim, dtype=f32), k=e(t, kv_heads, head_dim, dtype=f32),
-                            v=e(t, kv_heads, head_dim, dtype=f32), a=e(t, heads * head_dim), o=e(t, hidden),
-                            gu=e(t, 2 * inter), act=e(t, inter), r=(e(t, hidden), e(t, hidden)))
+        h, qkv, a, o = e(t, hidden), e(t, (heads + 2 * kv_heads) * head_dim), e(t, heads * head_dim), e(t, hidden)
+        q, k, v = e(t, heads, head_dim, dtype=f32), e(t, kv_heads, head_dim, dtype=f32), e(t, kv_heads, head_dim,
+                                                                                             dtype=f32)
+        gu, act = e(t, 2 * inter), e(t, inter)
+        ptr = [b.data_ptr() for b in (cos, sin, h, qkv, q, k, v, x, a, o, gu, act)]
+        return LayerScratch(x=x, r=(e(t, hidden), e(t, hidden)), buffers=(cos, sin, h, qkv, q, k, v, a, o, gu, act),
+                            pre=(*ptr[:7], t, hidden, heads, kv_heads, head_dim),
+                            post=(ptr[7], ptr[8], ptr[9], ptr[2], ptr[10], ptr[11], t, hidden, heads * head_dim, inter),
+                            qkv=(q, k, v))
 
-    def pre(self, s: LayerScratch, layer: Any, x: torch.Tensor, r: torch.Tensor | None, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] float32 (+= r, in place), r [T, H] bfloat16 or None (the first layer); cos, sin [T, D] float32
-        contiguous -> q [T, Hq, D], k, v [T, Hkv, D] float32 (s's buffers)."""
-        attn, norm = layer.self_attn, layer.input_layernorm
-        qkv = attn.qkv_proj
-        t, hidden = x.shape
-        rc = self._pre(self._ptr, x.data_ptr(), None if r is None else r.data_ptr(), norm.weight.data_ptr(),
-                       norm.eps, qkv.w4.data_ptr(), qkv.sz4.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                       s.h.data_ptr(), s.qkv.data_ptr(), s.q.data_ptr(), s.k.data_ptr(), s.v.data_ptr(), t, hidden,
-                       attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    def pre(self, s: LayerScratch, layer: BoundLayer, r: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """s.x += r (in place; r [T, H] bfloat16, None for the first layer), its norm, the qkv projection and RoPE
+        -> q [T, Hq, D], k, v [T, Hkv, D] float32 (s's buffers)."""
+        rc = self._pre(self._ptr, s.post[0], None if r is None else r.data_ptr(), *layer.pre, *s.pre)
         if rc != 0:
             raise ValueError(f"layer_pre: gemm_bf16 refused the qkv projection (code {rc})")
-        return s.q, s.k, s.v
+        return s.qkv
 
-    def post(self, s: LayerScratch, layer: Any, out: torch.Tensor, x: torch.Tensor, r_out: torch.Tensor) -> None:
-        """out: the attention's [T, Hq, D] float32 (contiguous); x [T, H] float32 (+= the o projection, in
-        place); the MLP's output into r_out [T, H] bfloat16."""
-        attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-        o, gu, dn = attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-        t, hidden = x.shape
-        rc = self._post(self._ptr, out.data_ptr(), s.a.data_ptr(), o.w4.data_ptr(), o.sz4.data_ptr(), s.o.data_ptr(),
-                        x.data_ptr(), norm.weight.data_ptr(), norm.eps, s.h.data_ptr(), gu.w4.data_ptr(),
-                        gu.sz4.data_ptr(), s.gu.data_ptr(), s.act.data_ptr(), dn.w4.data_ptr(), dn.sz4.data_ptr(),
-                        r_out.data_ptr(), t, hidden, attn.q_size, mlp.inter)
+    def post(self, s: LayerScratch, layer: BoundLayer, out: torch.Tensor, r_out: torch.Tensor) -> None:
+        """out: the attention's [T, Hq, D] float32 (contiguous) -> s.x += its o projection (in place); the MLP's
+        output of the norm of that into r_out [T, H] bfloat16."""
+        rc = self._post(self._ptr, out.data_ptr(), r_out.data_ptr(), *layer.post, *s.post)
         if rc != 0:
             raise ValueError(f"layer_post: gemm_bf16 refused a projection (code {rc})")
 
 
-__all__ = ["LayerHalves", "LayerScratch"]
+__all__ = ["BoundLayer", "LayerHalves", "LayerScratch"]

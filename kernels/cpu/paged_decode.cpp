@@ -646,7 +646,8 @@ void write_rows(const float* k, const float* v, int64_t k_tok, int64_t k_head, i
 extern "C" {
 
 // kv_dtype: 0 float32, 1 bfloat16. k, v (float32 [S, Hkv, D], strides given) are first written into the
-// cache at rows[s] unless k is null. Returns 0, or < 0 for shapes this kernel does not take.
+// cache at rows[s] unless k is null; with q null, that is all. Returns 0, or < 0 for shapes this kernel does not
+// take.
 int prefixserve_paged_decode(const float* q, const float* k, const float* v, int64_t k_tok, int64_t k_head,
                              int64_t v_tok, int64_t v_head, const int64_t* rows, void* kc, void* vc, const int32_t* bt,
                              int64_t bt_stride, const int32_t* lens, float* out, int S, int H, int Hkv, int D, int B,
@@ -666,6 +667,7 @@ int prefixserve_paged_decode(const float* q, const float* k, const float* v, int
             write_rows<float>(k, v, k_tok, k_head, v_tok, v_head, rows, S, static_cast<float*>(kc),
                               static_cast<float*>(vc), Hkv, D, B, kc_blk, kc_tok, kc_head, vc_blk, vc_tok, vc_head);
     }
+    if (q == nullptr) return 0;               // a write only (PagedDecode.write: a mixed step's rows)
     const Args a{q, kc, vc, bt, bt_stride, lens, out, S, H, Hkv, D, B, scale, kc_blk, kc_tok, kc_head,
                  vc_blk, vc_tok, vc_head};
     return kv_dtype == 1 ? dispatch<uint16_t>(a, items, n_items, members) : dispatch<float>(a, items, n_items, members);

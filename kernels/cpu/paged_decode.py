@@ -228,6 +228,27 @@ class PagedDecode:
             self._call(q, None, None, key_cache, value_cache, p, scale, out)
         return out
 
+    def write(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+              rows: torch.Tensor) -> None:
+        """Writes key / value [T, Hkv, D] float32 (head_dim contiguous, any other strides) at the cache rows `rows`
+        [T] int64 (block * block_size + offset), rounded to the cache's dtype as torch's .to() rounds (to nearest
+        even; a NaN stays a NaN, though not torch's bfloat16 NaN bits): torch's index_copy of the converted rows
+        (kernels/torch_backend.py write_kv), in one pass and no temporaries."""
+        t, num_kv_heads, head_dim = key.shape
+        assert key.dtype == value.dtype == torch.float32 and key.shape == value.shape
+        assert key.stride(-1) == value.stride(-1) == key_cache.stride(-1) == value_cache.stride(-1) == 1
+        assert key_cache.dtype == value_cache.dtype and key_cache.shape[2:] == (num_kv_heads, head_dim)
+        assert rows.dtype == torch.int64 and rows.is_contiguous() and rows.shape == (t,)
+        if t == 0:
+            return
+        rc = self._fn(None, key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0),
+                      value.stride(1), rows.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), None, 0, None,
+                      None, t, num_kv_heads, num_kv_heads, head_dim, key_cache.shape[1], 1.0, key_cache.stride(0),
+                      key_cache.stride(1), key_cache.stride(2), value_cache.stride(0), value_cache.stride(1),
+                      value_cache.stride(2), _DTYPES[key_cache.dtype], None, 0, None)
+        if rc != 0:
+            raise ValueError(f"paged_decode write: shapes not taken by the CPU kernel (code {rc})")
+
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
                cascade: bool = True, split_blocks: int | None = None) -> torch.Tensor:

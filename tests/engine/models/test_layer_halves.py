@@ -34,9 +34,9 @@ def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real
     calls: list[int] = []
     real_pre = LayerHalves.pre
 
-    def pre(self: LayerHalves, s: Any, layer: Any, x: torch.Tensor, *a: Any) -> Any:
-        calls.append(x.shape[0])
-        return real_pre(self, s, layer, x, *a)
+    def pre(self: LayerHalves, s: Any, *a: Any) -> Any:
+        calls.append(s.x.shape[0])
+        return real_pre(self, s, *a)
 
     monkeypatch.setattr(LayerHalves, "pre", pre)
     fast = answers(real_model_path, prompts)
@@ -66,8 +66,8 @@ def test_a_model_whose_layers_do_not_all_take_gemm_bf16_does_not_fit(real_model_
     if ops.layer_halves(True, 64, torch.bfloat16) is None:
         pytest.skip("no C++ halves on this CPU")
     model = load_model(str(real_model_path)).model
-    assert LayerHalves.fits(model)
+    assert LayerHalves.bind(model) is not None
     o = model.layers[5].self_attn.o_proj
     assert o.w4.numel()
     model.layers[5].self_attn.o_proj = Int4Linear.from_float(torch.randn(576, 576) * 0.01, None, ops)
-    assert not LayerHalves.fits(model)
+    assert LayerHalves.bind(model) is None

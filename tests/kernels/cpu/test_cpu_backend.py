@@ -9,6 +9,7 @@ import torch
 from kernels.cpu import paged_decode
 from kernels.cpu.library import CpuKernels, KernelUnavailable, load
 from kernels.cpu_backend import CpuAttentionBackend, extend_attention
+from kernels.torch_backend import TorchAttentionBackend
 from tests.kernels.batch import make_batch
 from tests.kernels.reference import default_scale, ref_attention
 
@@ -84,7 +85,7 @@ def test_a_decode_layer_in_one_call_equals_write_then_attend(cpu: CpuKernels, dt
     kc1, vc1, kc2, vc2 = (c.clone() for c in (b.key_cache, b.value_cache, b.key_cache, b.value_cache))
     fused = backend.attend(q, k, v, kc1, vc1, b.md, 0.125)
     b.md.scratch.clear()
-    backend.write_kv(kc2, vc2, k, v, b.md)
+    TorchAttentionBackend.write_kv(backend, kc2, vc2, k, v, b.md)                  # torch's own write
     apart = backend.forward(q, kc2, vc2, b.md, 0.125)
     assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
     torch.testing.assert_close(fused, apart, atol=0, rtol=0)
@@ -109,3 +110,28 @@ def test_a_mixed_step_plans_its_decode_rows_once_for_all_its_layers(cpu: CpuKern
         b.md.scratch.clear()
         torch.testing.assert_close(out, backend.forward(q, kc, vc, b.md, 0.125), atol=0, rtol=0)
     assert not torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_steps_kv_write_equals_torchs_bit_for_bit(cpu: CpuKernels, dtype: torch.dtype) -> None:
+    """The backend's write of a step's rows (every row of a mixed step: the C++ kernel's write) leaves the caches
+    as torch's conversion and index_copy do, bit for bit (rounding to nearest even at ties, infinities,
+    overflow and -0 included; a NaN as a NaN), rows in any order, K and V strided views of one projection."""
+    backend = CpuAttentionBackend(cpu)
+    b = make_batch([90, 33, 301, 5], [30, 33, 45, 1], num_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
+                   dtype=dtype, seed=3, poison=0.0, device="cpu")
+    t = b.md.kv_rows.shape[0]
+    gen = torch.Generator().manual_seed(2)
+    kv = torch.randn(t, 2 * 2 * 64 + 8, generator=gen)
+    kv.view(-1)[:64] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), float("nan"), float("inf"),
+                                     float("-inf"), 3e38, -0.0] * 8)       # ties, NaN, infinities, overflow, -0
+    k, v = kv[:, :128].view(t, 2, 64), kv[:, 136:].view(t, 2, 64)
+    kc1, vc1, kc2, vc2 = (c.clone() for c in (b.key_cache, b.value_cache, b.key_cache, b.value_cache))
+    backend.write_kv(kc1, vc1, k, v, b.md)
+    TorchAttentionBackend.write_kv(backend, kc2, vc2, k, v, b.md)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for ours, torchs in ((kc1, kc2), (vc1, vc2)):
+        nan = torchs.isnan()              # a NaN stays a NaN (torch's bfloat16 one is 0xffff, the kernel's 0x7fc0)
+        assert torch.equal(ours.isnan(), nan) and int(nan.sum()) == (8 if ours is kc1 else 0)
+        assert torch.equal(ours.view(bits)[~nan], torchs.view(bits)[~nan])
+    assert not torch.equal(kc1, b.key_cache)                                # it wrote something
