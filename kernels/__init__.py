@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from kernels.cpu.paged_decode import DecodePlan
     from kernels.metadata import AttentionMetadata
 
 
@@ -40,6 +41,13 @@ class Attention(Protocol):
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
         """write_kv, then forward: what one layer of a step does (a backend may fuse the two)."""
+        ...
+
+    def decode_plan(self, md: AttentionMetadata, key_cache: torch.Tensor, num_heads: int,
+                    head_dim: int) -> DecodePlan | None:
+        """A decode-only step's plan for the C++ paged decode kernel, where `attend` would run that kernel on every
+        layer of the step (the C++ decode layers take it: kernels/cpu/layers.py); None for every other backend
+        and step."""
         ...
 
 

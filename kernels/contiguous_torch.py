@@ -9,9 +9,14 @@ place, where the paged path first gathers every row through the block table.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kernels.cpu.paged_decode import DecodePlan
 from kernels.torch_backend import attend
 
 
@@ -28,6 +33,10 @@ class ContiguousTorchBackend:
                value_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write_kv(key_cache, value_cache, key, value, md)
         return self.forward(q, key_cache, value_cache, md, scale)
+
+    def decode_plan(self, md: AttentionMetadata, key_cache: torch.Tensor, num_heads: int,
+                    head_dim: int) -> DecodePlan | None:
+        return None                     # no C++ decode kernel behind this backend (kernels.Attention)
 
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -85,19 +85,28 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return
         super().write_kv(key_cache, value_cache, key, value, md)
 
+    def decode_plan(self, md: AttentionMetadata, key_cache: torch.Tensor, num_heads: int,
+                    head_dim: int) -> cpu_decode.DecodePlan | None:
+        """A decode-only step's plan for the fused decode call (made by its first layer, kept in the step's
+        scratch for the others), where the kernel takes the shapes; None otherwise."""
+        if not md.is_decode_only or self.kernels is None:
+            return None
+        p = md.scratch.get("cpu_decode_plan")
+        if p is None:
+            block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+            if not cpu_decode.supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype):
+                p = md.scratch["cpu_decode_plan"] = False
+            else:
+                p = md.scratch["cpu_decode_plan"] = self._plan(md.block_tables, md.seq_lens, md.kv_rows, block_size)
+        return p if isinstance(p, cpu_decode.DecodePlan) else None
+
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
         """A decode step's layer in one C++ call (write K/V, then attend); anything else as write + forward."""
-        if md.is_decode_only and self.kernels is not None and q.dtype == key.dtype == torch.float32:
-            p = md.scratch.get("cpu_decode_plan")
-            if p is None:
-                num_heads, head_dim = q.shape[1], q.shape[2]
-                block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-                if not cpu_decode.supports(num_heads, num_kv_heads, head_dim, block_size, key_cache.dtype):
-                    p = md.scratch["cpu_decode_plan"] = False
-                else:
-                    p = md.scratch["cpu_decode_plan"] = self._plan(md.block_tables, md.seq_lens, md.kv_rows, block_size)
-            if isinstance(p, cpu_decode.DecodePlan):
+        if q.dtype == key.dtype == torch.float32:
+            p = self.decode_plan(md, key_cache, q.shape[1], q.shape[2])
+            if p is not None:
+                assert self.kernels is not None
                 return self.kernels.decode.write_attend(q, key, value, key_cache, value_cache, p, scale)
         return super().attend(q, key, value, key_cache, value_cache, md, scale)
 

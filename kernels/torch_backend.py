@@ -6,9 +6,14 @@ block block_table[p // block_size] at offset p % block_size.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kernels.cpu.paged_decode import DecodePlan
 
 
 class TorchAttentionBackend:
@@ -25,6 +30,10 @@ class TorchAttentionBackend:
                value_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write_kv(key_cache, value_cache, key, value, md)
         return self.forward(q, key_cache, value_cache, md, scale)
+
+    def decode_plan(self, md: AttentionMetadata, key_cache: torch.Tensor, num_heads: int,
+                    head_dim: int) -> DecodePlan | None:
+        return None                     # no C++ decode kernel behind this backend (kernels.Attention)
 
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -6,11 +6,16 @@ everything else (prefill chunks, prefix-hit extends, mixed batches) to the paged
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kernels.block_copy import copy_blocks
 from kernels.kv_write import kv_write
 from kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kernels.cpu.paged_decode import DecodePlan
 from kernels.paged_decode import contiguous_decode, paged_decode
 from kernels.paged_prefill import contiguous_prefill, paged_prefill
 
@@ -27,6 +32,10 @@ class TritonAttentionBackend:
                value_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write_kv(key_cache, value_cache, key, value, md)
         return self.forward(q, key_cache, value_cache, md, scale)
+
+    def decode_plan(self, md: AttentionMetadata, key_cache: torch.Tensor, num_heads: int,
+                    head_dim: int) -> DecodePlan | None:
+        return None                     # no C++ decode kernel behind this backend (kernels.Attention)
 
     def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:

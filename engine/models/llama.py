@@ -30,7 +30,7 @@ from torch import nn
 
 from kernels import Attention as AttentionOps
 from kernels import AttentionMetadata
-from kernels.cpu.layers import BoundLayer, LayerHalves
+from kernels.cpu.layers import BoundModel, LayerHalves
 from kernels.ops import Ops, default_ops
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -244,8 +244,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.ops: Ops = default_ops()               # the op layer (the loader sets the engine's)
         self.mixed = False                          # quantized: bfloat16 between the matmuls (the loader sets it)
-        # the layers as the C++ halves take them (bound at the first wide step; [] where they do not fit)
-        self._halves_layers: list[BoundLayer] | None = None
+        # the layers as the C++ halves take them (bound at the first wide step)
+        self._halves_layers: BoundModel | bool | None = None      # False: they do not fit
 
     def set_ops(self, ops: Ops) -> None:
         """The op layer this model (and its quantized modules, which hold one for their own forward) runs on."""
@@ -275,8 +275,8 @@ class LlamaForCausalLM(nn.Module):
         between = self.ops.between_layers
         halves = self.ops.layer_halves(step.prefill, input_ids.shape[0], step.act) if step.mixed else None
         if halves is not None and self._halves_layers is None:
-            self._halves_layers = halves.bind(self) or []
-        if halves is not None and self._halves_layers and x.dtype == torch.float32:
+            self._halves_layers = halves.bind(self) or False
+        if halves is not None and isinstance(self._halves_layers, BoundModel) and x.dtype == torch.float32:
             return self._forward_halves(halves, self._halves_layers, x, cos, sin, key_caches, value_caches, md,
                                         backend, between)
         for i, layer in enumerate(self.layers):
@@ -286,17 +286,24 @@ class LlamaForCausalLM(nn.Module):
                 between()
         return self.ops.final_norm(x, r, self.norm.weight, self.norm.eps)
 
-    def _forward_halves(self, halves: LayerHalves, bound: list[BoundLayer], x: torch.Tensor, cos: torch.Tensor,
+    def _forward_halves(self, halves: LayerHalves, bound: BoundModel, x: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, key_caches: torch.Tensor, value_caches: torch.Tensor, md: AttentionMetadata,
                         backend: AttentionOps, between: Callable[[], None] | None) -> torch.Tensor:
-        """forward's layers as C++ halves around each attention (kernels/cpu/layers.py): the same kernels in the
-        same order as DecoderLayer.forward's op-by-op path on a wide quantized step, so the same hidden states."""
+        """forward's layers as C++ halves around each attention (kernels/cpu/layers.py), or, on a decode step the
+        backend's C++ decode kernel serves, all of them in one call: the same kernels in the same order as
+        DecoderLayer.forward's op-by-op path on a wide quantized step, so the same hidden states."""
         a, t = self.args, x.shape[0]
         s = halves.scratch(x.contiguous(), cos.reshape(t, a.head_dim).contiguous(),
                            sin.reshape(t, a.head_dim).contiguous(), a.num_heads, a.num_kv_heads, a.head_dim,
                            a.intermediate_size)
+        plan = backend.decode_plan(md, key_caches[0], a.num_heads, a.head_dim)
+        if plan is not None:                # a decode step: every layer in one call (its steps are short: the
+            if between is not None:         # thread governor looks before it, not between its layers)
+                between()
+            r_last = halves.decode_layers(s, bound, plan, key_caches, value_caches, self.scale)
+            return self.ops.final_norm(s.x, r_last, self.norm.weight, self.norm.eps)
         r: torch.Tensor | None = None
-        for i, layer in enumerate(bound):
+        for i, layer in enumerate(bound.layers):
             q, k, v = halves.pre(s, layer, r)
             out = backend_attend(backend, md, key_caches[i], value_caches[i], self.scale, q, k, v).contiguous()
             r = s.r[i % 2]

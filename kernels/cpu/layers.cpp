@@ -1,4 +1,5 @@
-// A decoder layer's work around its attention, in two calls instead of a dozen from Python: the kernels are the
+// A decoder layer's work around its attention, in two calls instead of a dozen from Python (and a decode step's
+// layers, attention included, in one): the kernels are the
 // ones the op layer calls one by one (int4_gemm.cpp gemm_bf16, fused.cpp's norms, RoPE and SiLU), reached
 // through the function pointers the launcher passes (kernels/cpu/layers.py), called in the same order on the
 // same data, so the result is the same bit for bit. Launcher, buffers and when it applies: kernels/cpu/layers.py.
@@ -7,6 +8,9 @@
 //            qkv = h @ Wqkv^T;  q, k, v = rope(split(qkv))
 //     post   a = bf16(attention out)            (torch's .to(bfloat16): round to nearest even)
 //            o = a @ Wo^T;  h = norm(x += o);  r = silu_mul(h @ Wgu^T) @ Wdown^T
+//
+//     layers_decode    every layer of a decode step: pre, the paged decode kernel (write this step's K / V, then
+//                      attend: paged_decode.cpp, as CpuAttentionBackend.attend calls it), post
 //
 // x is the float32 residual stream [T, H], updated in place; everything between the matmuls is bfloat16; every
 // buffer is contiguous (row stride = its width).
@@ -60,6 +64,56 @@ int prefixserve_layer_post(const PrefixserveLayerKernels* k, const float* attn, 
     if ((rc = k->gemm_bf16(h, H, gu_w4, gu_sz, gu, 2 * I, T, 2 * I, H)) != 0) return rc;
     k->silu_mul(gu, 2 * I, act, I, T, I, 0);
     return k->gemm_bf16(act, I, dn_w4, dn_sz, r, H, T, H, I);
+}
+
+// One layer's weights (kernels/cpu/layers.py BoundLayer).
+struct PrefixserveBoundLayer {
+    const float* w_in; float eps_in; const uint8_t* qkv_w4; const uint16_t* qkv_sz;
+    const uint8_t* o_w4; const uint16_t* o_sz; const float* w_post; float eps_post;
+    const uint8_t* gu_w4; const uint16_t* gu_sz; const uint8_t* dn_w4; const uint16_t* dn_sz;
+};
+
+// What every layer's call of the paged decode kernel shares in a decode step (kernels/cpu/paged_decode.py
+// PagedDecode.step_args): its plan, the caches of layer 0 and the bytes from one layer's caches to the next.
+struct PrefixserveDecodeStep {
+    int (*decode)(const float* q, const float* k, const float* v, int64_t k_tok, int64_t k_head, int64_t v_tok,
+                  int64_t v_head, const int64_t* rows, void* kc, void* vc, const int32_t* bt, int64_t bt_stride,
+                  const int32_t* lens, float* out, int S, int H, int Hkv, int D, int B, float scale, int64_t kc_blk,
+                  int64_t kc_tok, int64_t kc_head, int64_t vc_blk, int64_t vc_tok, int64_t vc_head, int kv_dtype,
+                  const int32_t* items, int n_items, const int32_t* members);
+    const int64_t* rows; const int32_t* bt; int64_t bt_stride; const int32_t* lens;
+    int B; float scale;
+    int64_t kc_blk, kc_tok, kc_head, vc_blk, vc_tok, vc_head; int kv_dtype;
+    const int32_t* items; int n_items; const int32_t* members;
+    char* kc; char* vc; int64_t kc_layer, vc_layer;
+};
+
+// The n layers of a decode step of T sequences: for each, pre, the decode kernel (q, k, v in, out [T, Hq, D]
+// float32), post; r0 / r1 take the layers' outputs in turn (layer i's in r0 if i is even). Returns 0, or the first
+// code that is not.
+int prefixserve_layers_decode(const PrefixserveLayerKernels* k, const PrefixserveDecodeStep* d,
+                              const PrefixserveBoundLayer* layers, int n, float* x, const float* cos, const float* sin,
+                              uint16_t* h, uint16_t* qkv, float* q, float* kk, float* v, float* out, uint16_t* a,
+                              uint16_t* o, uint16_t* gu, uint16_t* act, uint16_t* r0, uint16_t* r1, int T, int H,
+                              int Hq, int Hkv, int D, int I) {
+    const uint16_t* r = nullptr;
+    for (int i = 0; i < n; ++i) {
+        const PrefixserveBoundLayer& L = layers[i];
+        int rc = prefixserve_layer_pre(k, x, r, L.w_in, L.eps_in, L.qkv_w4, L.qkv_sz, cos, sin, h, qkv, q, kk, v, T, H,
+                                       Hq, Hkv, D);
+        if (rc != 0) return rc;
+        rc = d->decode(q, kk, v, static_cast<int64_t>(Hkv) * D, D, static_cast<int64_t>(Hkv) * D, D, d->rows,
+                       d->kc + i * d->kc_layer, d->vc + i * d->vc_layer, d->bt, d->bt_stride, d->lens, out, T, Hq, Hkv,
+                       D, d->B, d->scale, d->kc_blk, d->kc_tok, d->kc_head, d->vc_blk, d->vc_tok, d->vc_head,
+                       d->kv_dtype, d->items, d->n_items, d->members);
+        if (rc != 0) return rc;
+        uint16_t* ro = i % 2 == 0 ? r0 : r1;
+        rc = prefixserve_layer_post(k, out, ro, L.o_w4, L.o_sz, L.w_post, L.eps_post, L.gu_w4, L.gu_sz, L.dn_w4,
+                                    L.dn_sz, x, a, o, h, gu, act, T, H, Hq * D, I);
+        if (rc != 0) return rc;
+        r = ro;
+    }
+    return 0;
 }
 
 }  // extern "C"

@@ -26,13 +26,31 @@ from typing import Any
 
 import torch
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+from kernels.cpu.paged_decode import DecodePlan
+
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
 class _Table(ctypes.Structure):
     """layers.cpp PrefixserveLayerKernels: the kernels' entry points, in its order."""
 
     _fields_ = [("gemm_bf16", _P), ("rms_norm", _P), ("add_rms_norm", _P), ("qkv_rope", _P), ("silu_mul", _P)]
+
+
+class _LayerWeights(ctypes.Structure):
+    """layers.cpp PrefixserveBoundLayer."""
+
+    _fields_ = [("w_in", _P), ("eps_in", _F), ("qkv_w4", _P), ("qkv_sz", _P), ("o_w4", _P), ("o_sz", _P),
+                ("w_post", _P), ("eps_post", _F), ("gu_w4", _P), ("gu_sz", _P), ("dn_w4", _P), ("dn_sz", _P)]
+
+
+class _DecodeStep(ctypes.Structure):
+    """layers.cpp PrefixserveDecodeStep: the paged decode kernel and what its calls share in a decode step."""
+
+    _fields_ = [("decode", _P), ("rows", _P), ("bt", _P), ("bt_stride", _I64), ("lens", _P), ("B", _I),
+                ("scale", _F), ("kc_blk", _I64), ("kc_tok", _I64), ("kc_head", _I64), ("vc_blk", _I64),
+                ("vc_tok", _I64), ("vc_head", _I64), ("kv_dtype", _I), ("items", _P), ("n_items", _I),
+                ("members", _P), ("kc", _P), ("vc", _P), ("kc_layer", _I64), ("vc_layer", _I64)]
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,14 @@ class BoundLayer:
 
     pre: tuple[int | float, ...]        # input norm weight, eps, qkv w4, sz
     post: tuple[int | float, ...]       # o w4, sz, post norm weight, eps, gate_up w4, sz, down w4, sz
+
+
+@dataclass(frozen=True)
+class BoundModel:
+    """A model's layers bound (`LayerHalves.bind`): each for the halves, all of them for the decode call."""
+
+    layers: list[BoundLayer]
+    array: ctypes.Array[_LayerWeights]
 
 
 @dataclass
@@ -55,13 +81,14 @@ class LayerScratch:
     pre: tuple[int, ...]                            # cos, sin, h, qkv, q, k, v, T, H, Hq, Hkv, D
     post: tuple[int, ...]                           # x, a, o, h, gu, act, T, H, QD, I
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # q, k, v: pre's outputs
+    out: torch.Tensor                               # [T, Hq, D] float32: the decode call's attention output
 
 
 class LayerHalves:
     """The halves of one build (kernels/cpu/library.py loads it), bound to that build's gemm_bf16 and fused
     kernels."""
 
-    def __init__(self, lib: ctypes.CDLL, int4: ctypes.CDLL, fused: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, int4: ctypes.CDLL, fused: ctypes.CDLL, decode: ctypes.CDLL) -> None:
         self._table = _Table(*(ctypes.cast(f, _P) for f in (
             int4.prefixserve_int4_gemm_bf16, fused.prefixserve_rms_norm, fused.prefixserve_add_rms_norm,
             fused.prefixserve_qkv_rope, fused.prefixserve_silu_mul)))
@@ -72,9 +99,13 @@ class LayerHalves:
         self._post.argtypes = [_P, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P, *[_P] * 6, *[_I] * 4]
         self._post.restype = _I
         self._ptr = ctypes.addressof(self._table)
+        self._decode_fn = ctypes.cast(decode.prefixserve_paged_decode, _P)
+        self._layers_decode = lib.prefixserve_layers_decode
+        self._layers_decode.argtypes = [_P, _P, _P, _I, *[_P] * 15, *[_I] * 6]
+        self._layers_decode.restype = _I
 
     @staticmethod
-    def bind(model: Any) -> list[BoundLayer] | None:
+    def bind(model: Any) -> BoundModel | None:
         """Every layer of `model` (engine/models/llama.py) as the calls take it, or None where one does not take the
         halves on a wide step (a projection that is not int4 with gemm_bf16's packed weights, a bias, a norm
         weight that is not float32)."""
@@ -92,7 +123,8 @@ class LayerHalves:
                 pre=(n_in.weight.data_ptr(), n_in.eps, qkv.w4.data_ptr(), qkv.sz4.data_ptr()),
                 post=(o.w4.data_ptr(), o.sz4.data_ptr(), n_post.weight.data_ptr(), n_post.eps, gu.w4.data_ptr(),
                       gu.sz4.data_ptr(), dn.w4.data_ptr(), dn.sz4.data_ptr())))
-        return bound
+        array = (_LayerWeights * len(bound))(*(_LayerWeights(*b.pre, *b.post) for b in bound))
+        return BoundModel(bound, array)
 
     @staticmethod
     def scratch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
@@ -113,7 +145,7 @@ class LayerHalves:
         return LayerScratch(x=x, r=(e(t, hidden), e(t, hidden)), buffers=(cos, sin, h, qkv, q, k, v, a, o, gu, act),
                             pre=(*ptr[:7], t, hidden, heads, kv_heads, head_dim),
                             post=(ptr[7], ptr[8], ptr[9], ptr[2], ptr[10], ptr[11], t, hidden, heads * head_dim, inter),
-                            qkv=(q, k, v))
+                            qkv=(q, k, v), out=e(t, heads, head_dim, dtype=f32))
 
     def pre(self, s: LayerScratch, layer: BoundLayer, r: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """s.x += r (in place; r [T, H] bfloat16, None for the first layer), its norm, the qkv projection and RoPE
@@ -130,5 +162,30 @@ class LayerHalves:
         if rc != 0:
             raise ValueError(f"layer_post: gemm_bf16 refused a projection (code {rc})")
 
+    def decode_layers(self, s: LayerScratch, model: BoundModel, plan: DecodePlan, key_caches: torch.Tensor,
+                      value_caches: torch.Tensor, scale: float) -> torch.Tensor:
+        """Every layer of a decode step in one call (layers.cpp layers_decode): pre, the paged decode kernel with
+        `plan` over layer i's caches key_caches[i], value_caches[i] ([layers, blocks, block_size, Hkv, D], the
+        step's K / V written first), post -> the last layer's output (one of s.r)."""
+        kc, vc = key_caches, value_caches
+        assert kc.dtype == vc.dtype in (torch.float32, torch.bfloat16) and kc.shape == vc.shape
+        assert kc.stride(-1) == vc.stride(-1) == 1
+        assert plan.rows is not None and kc.shape[0] >= len(model.layers)
+        size = kc.element_size()
+        step = _DecodeStep(self._decode_fn, plan.rows.data_ptr(), plan.block_tables.data_ptr(),
+                           plan.block_tables.stride(0), plan.seq_lens.data_ptr(), kc.shape[2], scale, *kc.stride()[1:4],
+                           *vc.stride()[1:4], int(kc.dtype == torch.bfloat16), plan.items.ctypes.data, len(plan.items),
+                           plan.members.ctypes.data, kc.data_ptr(), vc.data_ptr(), kc.stride(0) * size,
+                           vc.stride(0) * size)
+        cos, sin, h, qkv, q, k, v = s.pre[:7]
+        t, hidden, heads, kv_heads, head_dim = s.pre[7:]
+        x, a, o, _, gu, act = s.post[:6]
+        rc = self._layers_decode(self._ptr, ctypes.addressof(step), model.array, len(model.layers), x, cos, sin, h,
+                                 qkv, q, k, v, s.out.data_ptr(), a, o, gu, act, s.r[0].data_ptr(), s.r[1].data_ptr(),
+                                 t, hidden, heads, kv_heads, head_dim, s.post[9])
+        if rc != 0:
+            raise ValueError(f"layers_decode: a kernel refused the step (code {rc})")
+        return s.r[(len(model.layers) - 1) % 2]
 
-__all__ = ["BoundLayer", "LayerHalves", "LayerScratch"]
+
+__all__ = ["BoundLayer", "BoundModel", "LayerHalves", "LayerScratch"]

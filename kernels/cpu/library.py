@@ -118,7 +118,7 @@ def load(requested: str = "auto", directory: Path = LIB_DIR) -> CpuKernels:
     fused, logits, int4 = Fused(libs["fused"]), Logits(libs["logits"]), Int4Gemm(libs["int4_gemm"])
     paths = {"paged_decode": decode.path, "paged_prefill": prefill.path(), "fused": fused.path, "logits": logits.path,
              "int4_gemm": int4.path}
-    layers = LayerHalves(libs["layers"], libs["int4_gemm"], libs["fused"])
+    layers = LayerHalves(libs["layers"], libs["int4_gemm"], libs["fused"], libs["paged_decode"])
     return CpuKernels(variant, m.get("compiler_version") or m.get("compiler", ""), decode, prefill, fused, logits,
                       int4, layers, paths)
 

@@ -1,6 +1,7 @@
-"""The C++ halves of a decoder layer (kernels/cpu/layers.py) on the real model: the same kernels in the same order as
-the op-by-op path, so the same tokens and the same log-probabilities, bit for bit, through prompt chunks, mixed
-steps, wide decode steps and the narrow ones that keep the op-by-op path; and the layers that do not fit keep it."""
+"""The C++ halves of a decoder layer and the one-call decode step (kernels/cpu/layers.py) on the real model: the same
+kernels in the same order as the op-by-op path, so the same tokens and the same log-probabilities, bit for bit,
+through prompt chunks and mixed steps (the halves), wide decode steps (one call) and the narrow ones that keep the
+op-by-op path; and the layers that do not fit keep it."""
 from __future__ import annotations
 
 import random
@@ -31,16 +32,22 @@ def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real
     # 16 prompts of 30-300 tokens: chunks of a 512-token budget, steps mixing chunks and decodes, wide decode
     # steps, then narrow ones (fewer than DENSE_FROM_ROWS sequences left) as the longest finish last
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 300))] for _ in range(16)]
-    calls: list[int] = []
-    real_pre = LayerHalves.pre
+    calls: list[tuple[str, int]] = []
+    real_pre, real_decode = LayerHalves.pre, LayerHalves.decode_layers
 
     def pre(self: LayerHalves, s: Any, *a: Any) -> Any:
-        calls.append(s.x.shape[0])
+        calls.append(("halves", s.x.shape[0]))
         return real_pre(self, s, *a)
 
+    def decode_layers(self: LayerHalves, s: Any, *a: Any) -> Any:
+        calls.append(("decode", s.x.shape[0]))
+        return real_decode(self, s, *a)
+
     monkeypatch.setattr(LayerHalves, "pre", pre)
+    monkeypatch.setattr(LayerHalves, "decode_layers", decode_layers)
     fast = answers(real_model_path, prompts)
-    assert calls and min(calls) >= DENSE_FROM_ROWS
+    assert {kind for kind, _ in calls} == {"halves", "decode"}     # prompt and mixed steps; decode steps
+    assert min(rows for _, rows in calls) >= DENSE_FROM_ROWS
     monkeypatch.setattr(Ops, "layer_halves", lambda self, *a: None)
     calls.clear()
     slow = answers(real_model_path, prompts)
