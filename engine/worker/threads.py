@@ -8,7 +8,8 @@ prefill took 8.4 s (2.1 s alone) and 8 x 128/32 tokens 61 s (3.9 s alone); with 
 vLLM's CPU backend suffers the same (its OpenMP threads are bound to cores).
 
 Two signals from the kernel, read every WINDOW_S of compute (checked at each step's start and between the
-model's layers, so a prefill step of seconds is not run to its end on the wrong count):
+model's layers, so a prefill step of seconds is not run to its end on the wrong count; a decode step whose layers
+run as one C++ call, kernels/cpu/layers.py, is checked before it):
 - waiting: /proc/self/task/*/schedstat gives each thread's time on a CPU and its time runnable but waiting for
   one; waiting / running over the process was 0.13 with 1 thread beside the spinner, 0.85-2.7 with 2, under
   0.01 alone with 2;
