@@ -185,7 +185,7 @@ class Ops:
     def layer_halves(self, prefill: bool, rows: int, act: torch.dtype) -> LayerHalves | None:
         """The C++ halves of a decoder layer (kernels/cpu/layers.py) for a step, where its projections take gemm_bf16
         (a wide step, bfloat16 between the matmuls) and the fused kernels run; None: op by op. Whether the model's
-        layers fit is the model's to ask (`LayerHalves.fits`)."""
+        layers fit is the model's to ask (`LayerHalves.bind`)."""
         if self._int4_bf16 is None or self._fused is None or self.cpu is None or act != torch.bfloat16:
             return None
         return self.cpu.layers if prefill or rows >= qg.DENSE_FROM_ROWS else None

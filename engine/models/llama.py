@@ -250,6 +250,7 @@ class LlamaForCausalLM(nn.Module):
     def set_ops(self, ops: Ops) -> None:
         """The op layer this model (and its quantized modules, which hold one for their own forward) runs on."""
         self.ops = ops
+        self._halves_layers = None                  # bound again, by these ops' kernels, at the next wide step
         for module in self.modules():
             holder: Any = module
             if holder is not self and hasattr(holder, "ops"):

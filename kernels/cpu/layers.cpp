@@ -1,8 +1,8 @@
-// A decoder layer's work around its attention, in two calls instead of a dozen from Python (and a decode step's
-// layers, attention included, in one): the kernels are the
-// ones the op layer calls one by one (int4_gemm.cpp gemm_bf16, fused.cpp's norms, RoPE and SiLU), reached
-// through the function pointers the launcher passes (kernels/cpu/layers.py), called in the same order on the
-// same data, so the result is the same bit for bit. Launcher, buffers and when it applies: kernels/cpu/layers.py.
+// A decoder layer's work around its attention in two calls instead of a dozen from Python, and a decode step's
+// layers, attention included, in one: the kernels are the ones the op layer calls one by one (int4_gemm.cpp
+// gemm_bf16, fused.cpp's norms, RoPE and SiLU, paged_decode.cpp), reached through the function pointers the launcher
+// passes (kernels/cpu/layers.py), called in the same order on the same data, so the result is the same bit for bit.
+// Launcher, buffers and when it applies: kernels/cpu/layers.py.
 //
 //     pre    h = norm(x (+= r))                  (rms_norm for the first layer, add_rms_norm after)
 //            qkv = h @ Wqkv^T;  q, k, v = rope(split(qkv))
