@@ -17,9 +17,7 @@ from kernels.cpu.layers import LayerHalves
 from kernels.ops import Ops, default_ops
 
 
-def answers(path: Path, prompts: list[list[int]]) -> list[Any]:
-    # no prefix cache: each run computes every prompt as the other does (the same chunks, the same steps)
-    llm = LLM(str(path), max_model_len=1024, num_kv_blocks=512, enable_prefix_caching=False, max_num_batched_tokens=512)
+def answers(llm: LLM, prompts: list[list[int]]) -> list[Any]:
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3))
     return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
 
@@ -29,9 +27,9 @@ def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real
     if default_ops().layer_halves(True, 64, torch.bfloat16) is None:
         pytest.skip("no C++ halves on this CPU: its wide steps do not take gemm_bf16 (no AVX-512 BF16, or AMX)")
     rng = random.Random(7)
-    # 16 prompts of 30-300 tokens: chunks of a 512-token budget, steps mixing chunks and decodes, wide decode
+    # 14 prompts of 30-260 tokens: chunks of a 512-token budget, steps mixing chunks and decodes, wide decode
     # steps, then narrow ones (fewer than DENSE_FROM_ROWS sequences left) as the longest finish last
-    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 300))] for _ in range(16)]
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 260))] for _ in range(14)]
     calls: list[tuple[str, int]] = []
     real_pre, real_decode = LayerHalves.pre, LayerHalves.decode_layers
 
@@ -45,12 +43,15 @@ def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real
 
     monkeypatch.setattr(LayerHalves, "pre", pre)
     monkeypatch.setattr(LayerHalves, "decode_layers", decode_layers)
-    fast = answers(real_model_path, prompts)
+    # no prefix cache: the second run computes every prompt as the first did (the same chunks, the same steps)
+    llm = LLM(str(real_model_path), max_model_len=1024, num_kv_blocks=512, enable_prefix_caching=False,
+              max_num_batched_tokens=512)
+    fast = answers(llm, prompts)
     assert {kind for kind, _ in calls} == {"halves", "decode"}     # prompt and mixed steps; decode steps
     assert min(rows for _, rows in calls) >= DENSE_FROM_ROWS
     monkeypatch.setattr(Ops, "layer_halves", lambda self, *a: None)
     calls.clear()
-    slow = answers(real_model_path, prompts)
+    slow = answers(llm, prompts)
     assert not calls
     assert fast == slow
 
