@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kernels.cpu.paged_decode import DecodePlan
+from kernels.cpu.paged_decode import DecodePlan, cache_args
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
@@ -178,15 +178,13 @@ class LayerHalves:
         `plan` over layer i's caches key_caches[i], value_caches[i] ([layers, blocks, block_size, Hkv, D], the
         step's K / V written first), post -> the last layer's output (one of s.r)."""
         kc, vc = key_caches, value_caches
-        assert kc.dtype == vc.dtype in (torch.float32, torch.bfloat16) and kc.shape == vc.shape
-        assert kc.stride(-1) == vc.stride(-1) == 1
+        assert kc.dtype == vc.dtype and kc.shape == vc.shape and kc.stride(-1) == vc.stride(-1) == 1
         assert plan.rows is not None and kc.shape[0] >= len(model.layers)
         size = kc.element_size()
         step = _DecodeStep(self._decode_fn, plan.rows.data_ptr(), plan.block_tables.data_ptr(),
-                           plan.block_tables.stride(0), plan.seq_lens.data_ptr(), kc.shape[2], scale, *kc.stride()[1:4],
-                           *vc.stride()[1:4], int(kc.dtype == torch.bfloat16), plan.items.ctypes.data, len(plan.items),
-                           plan.members.ctypes.data, kc.data_ptr(), vc.data_ptr(), kc.stride(0) * size,
-                           vc.stride(0) * size)
+                           plan.block_tables.stride(0), plan.seq_lens.data_ptr(), kc.shape[2], scale,
+                           *cache_args(kc[0], vc[0]), plan.items.ctypes.data, len(plan.items), plan.members.ctypes.data,
+                           kc.data_ptr(), vc.data_ptr(), kc.stride(0) * size, vc.stride(0) * size)
         cos, sin, h, qkv, q, k, v = s.pre[:7]
         t, hidden, heads, kv_heads, head_dim = s.pre[7:]
         x, a, o, _, gu, act = s.post[:6]

@@ -162,6 +162,13 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, 
             and block_size <= 256)
 
 
+def cache_args(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, ...]:
+    """What the kernel takes of a layer's caches besides their pointers: K's block, token and head strides, V's, and
+    the dtype's code."""
+    return (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0), value_cache.stride(1),
+            value_cache.stride(2), _DTYPES[key_cache.dtype])
+
+
 class PagedDecode:
     """The kernel of one build (kernels/cpu/library.py loads it): `write_attend` for a decode step's layer,
     `attend` (a plan made once for a step's rows) and `decode` (a plan made by the call) for rows whose K / V are
@@ -195,10 +202,8 @@ class PagedDecode:
         rc = self._fn(q.data_ptr(), kp or None, vp or None, *ks, rows or None, key_cache.data_ptr(),
                       value_cache.data_ptr(), p.block_tables.data_ptr(), p.block_tables.stride(0),
                       p.seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-                      block_size, scale,
-                      key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
-                      value_cache.stride(1), value_cache.stride(2), _DTYPES[key_cache.dtype], items.ctypes.data,
-                      len(items), members.ctypes.data)
+                      block_size, scale, *cache_args(key_cache, value_cache), items.ctypes.data, len(items),
+                      members.ctypes.data)
         if rc != 0:
             raise ValueError(f"paged_decode: shapes not taken by the CPU kernel (code {rc})")
 
@@ -243,9 +248,8 @@ class PagedDecode:
             return
         rc = self._fn(None, key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0),
                       value.stride(1), rows.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), None, 0, None,
-                      None, t, num_kv_heads, num_kv_heads, head_dim, key_cache.shape[1], 1.0, key_cache.stride(0),
-                      key_cache.stride(1), key_cache.stride(2), value_cache.stride(0), value_cache.stride(1),
-                      value_cache.stride(2), _DTYPES[key_cache.dtype], None, 0, None)
+                      None, t, num_kv_heads, num_kv_heads, head_dim, key_cache.shape[1], 1.0,
+                      *cache_args(key_cache, value_cache), None, 0, None)
         if rc != 0:
             raise ValueError(f"paged_decode write: shapes not taken by the CPU kernel (code {rc})")
 
@@ -272,4 +276,4 @@ class PagedDecode:
         return out
 
 
-__all__ = ["DecodePlan", "PagedDecode", "plan", "supports"]
+__all__ = ["DecodePlan", "PagedDecode", "cache_args", "plan", "supports"]
