@@ -14,9 +14,10 @@
 // online-softmax update a row (float32 running max, sum and accumulator) and adds the V rows. A row masks the
 // keys past its own position; rows whose position is before the tile skip it.
 //
-// The plan (make_plan). Without cascade an item is up to QB consecutive tokens of one sequence over keys
-// [0, its last position]. With cascade, sequences whose tables agree on their first P keys (P a multiple of
-// TILE, every member's chunk starting at or past P: its rows see all of them) form a group: phase 1 walks tiles
+// The plan (make_plan). Without cascade an item is consecutive tokens of one sequence (as many as item_tokens
+// picks for the step's chunks and threads) over keys [0, its last position]. With cascade, sequences whose
+// tables agree on their first P keys (P a multiple of TILE, every member's chunk starting at or past P: its rows
+// see all of them) form a group: phase 1 walks tiles
 // [0, P) once for the rows of all members (items of up to CASCADE_TOKENS tokens across the members) and saves
 // each row's softmax state; phase 2 resumes each member's rows from it over keys [P, its last position]. The
 // other sequences' items run in phase 1.
@@ -41,7 +42,8 @@ namespace {
 constexpr int TILE = 64;              // keys a tile (a multiple of 32: whole bf16 token pairs, whole 16-lane chunks)
 constexpr int MAX_GROUP = 16;
 constexpr int MAX_D = 256;
-constexpr int ITEM_ROWS = 96;         // rows (tokens x G) a per-sequence item aims at
+constexpr int ITEM_ROWS = 192;        // rows (tokens x G) a per-sequence item takes at most
+constexpr int ITEM_PACK_ROWS = 8;     // a tile's packing of K and V, in rows' work (the plan's cost model)
 constexpr int CASCADE_TOKENS = 96;    // tokens a phase-1 item of a group takes at most (across its members)
 constexpr int MIN_SHARED_TILES = 2;   // a shared run of fewer tiles is walked by each sequence itself
 constexpr int ITEMS_PER_THREAD = 4;   // enough items that dynamic scheduling evens out their lengths
@@ -100,25 +102,61 @@ void find_groups(const Args& A, std::vector<int> cand, const std::vector<int>& t
     }
 }
 
-// Items of up to `qb` tokens of sequence s over keys [k0, its last position].
+// Sequence s's tokens cut into ceil(n / qb) items of near-equal length, each over keys [k0, its last position].
 void own_items(const Args& A, int s, int qb, int k0, int flags, Plan& p) {
     const int q0 = A.qstart[s], q1 = A.qstart[s + 1];
-    for (int a = q0; a < q1; a += qb) {
-        const int b = std::min(q1, a + qb), k1 = first_pos(A, s, b - 1) + 1;
+    if (q1 <= q0) return;
+    const int parts = (q1 - q0 + qb - 1) / qb, len = (q1 - q0 + parts - 1) / parts;
+    for (int a = q0; a < q1; a += len) {
+        const int b = std::min(q1, a + len), k1 = first_pos(A, s, b - 1) + 1;
         p.phase[flags & RESUME ? 1 : 0].push_back({static_cast<int>(p.segs.size()), 1, k0, k1, flags,
                                                    static_cast<int64_t>(b - a) * (k1 - k0)});
         p.segs.push_back({s, a, b});
     }
 }
 
+// Tokens an item of the sequences' own items: the most (up to ITEM_ROWS rows) where they are many; where they
+// are few (a short chunk after a long context: a question after a system prompt), the count whose items,
+// dealt longest first to the threads, end soonest: a step's 78 tokens after 3,072 as 6 items of 117 rows on two
+// threads, not 9 of 96 (5 items on one thread, 4 on the other) or 15 of 48 (each tile packed for fewer rows).
+// An item costs (rows + ITEM_PACK_ROWS) x keys in this model. Which rows share an item never changes a bit.
+int item_tokens(const Args& A, const int32_t* seqs, int n_seqs, int threads) {
+    const int G = A.H / A.Hkv, most = std::max(1, ITEM_ROWS / G);
+    int64_t items = 0;
+    for (int i = 0; i < n_seqs; ++i) {
+        const int t = A.qstart[seqs[i] + 1] - A.qstart[seqs[i]];
+        items += static_cast<int64_t>(A.Hkv) * ((t + most - 1) / most);
+    }
+    if (threads <= 1 || items >= static_cast<int64_t>(ITEMS_PER_THREAD) * threads || n_seqs > 64) return most;
+    int best = most;
+    double best_span = 0.;
+    std::vector<int64_t> costs;
+    std::vector<double> load(threads);
+    for (int qb = most; qb >= std::max(1, most / 8); --qb) {
+        costs.clear();
+        for (int i = 0; i < n_seqs; ++i) {
+            const int s = seqs[i], q0 = A.qstart[s], q1 = A.qstart[s + 1];
+            if (q1 <= q0) continue;
+            const int parts = (q1 - q0 + qb - 1) / qb, len = (q1 - q0 + parts - 1) / parts;
+            for (int a = q0; a < q1; a += len) {
+                const int b = std::min(q1, a + len);
+                costs.insert(costs.end(), A.Hkv,        // one item a KV head
+                             static_cast<int64_t>((b - a) * G + ITEM_PACK_ROWS) * (first_pos(A, s, b - 1) + 1));
+            }
+        }
+        std::sort(costs.begin(), costs.end(), std::greater<int64_t>());
+        std::fill(load.begin(), load.end(), 0.);
+        for (int64_t c : costs) *std::min_element(load.begin(), load.end()) += static_cast<double>(c);
+        const double span = *std::max_element(load.begin(), load.end());
+        if (qb == most || span < best_span * 0.999) { best = qb; best_span = span; }
+    }
+    return best;
+}
+
 Plan make_plan(const Args& A, const int32_t* seqs, int n_seqs, bool cascade, int threads) {
     Plan p;
     const int G = A.H / A.Hkv;
-    int64_t tokens = 0;
-    for (int i = 0; i < n_seqs; ++i) tokens += A.qstart[seqs[i] + 1] - A.qstart[seqs[i]];
-    // tokens an item: ITEM_ROWS rows, fewer where that would leave threads idle
-    int qb = std::max(1, ITEM_ROWS / G);
-    while (qb > 4 && tokens * A.Hkv / qb < static_cast<int64_t>(ITEMS_PER_THREAD) * threads) qb /= 2;
+    const int qb = item_tokens(A, seqs, n_seqs, threads);
     int n_lens = 0;
     for (int i = 0; i < n_seqs; ++i) n_lens = std::max(n_lens, seqs[i] + 1);
     p.state_row.assign(n_lens, -1);

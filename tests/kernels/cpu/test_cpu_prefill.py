@@ -204,6 +204,27 @@ def test_cpu_prefill_does_not_depend_on_the_thread_count(variant: CpuKernels, dt
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def test_a_short_chunk_after_a_long_context_is_cut_for_the_threads(variant: CpuKernels) -> None:
+    # A question after a system prompt: 78 tokens after 3,072 cached, 3 KV heads of 3 query heads. On two
+    # threads the plan cuts the chunk into 2 items of 39 tokens a KV head (6 items, 3 a thread: keys walked
+    # 3,111 + 3,150 a head), not into items of 32 or 16 tokens; one thread takes items of up to 64 tokens
+    # (78 = 39 + 39 as well), four threads 4 items a head. Every cut gives the same bits.
+    b = make_batch([3150], [78], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16,
+                   seed=21, device="cpu")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert stats(variant, b).keys == (3072 + 39) + 3150
+        two = run(variant, b)
+        torch.set_num_threads(4)         # 12 items of 20 tokens (the last 18): 3 a thread
+        assert stats(variant, b).keys == (3072 + 20) + (3072 + 40) + (3072 + 60) + 3150
+        four = run(variant, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(two, four)
+    within_criterion(variant, b, two)
+
+
 def test_cpu_prefill_declines_what_it_does_not_take(variant: CpuKernels) -> None:
     b = make_batch([20], [20], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16,
                    seed=1, device="cpu")
