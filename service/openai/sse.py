@@ -77,12 +77,32 @@ def dumps(obj: Any, compact: bool = False) -> str:
     list, is written one element at a time. json's C encoder holds the GIL for a whole call: one call over an
     echoed prompt's log-probabilities (~7 MB) kept the event loop from running for 0.2 s even on another thread."""
     kw: dict[str, Any] = {"ensure_ascii": False, "separators": (",", ":")} if compact else {}
+    if _small(obj, _SMALL_NODES) >= 0:       # a streamed token's chunk: one call (~5 us, not ~24 in pieces)
+        return json.dumps(obj, **kw)
     out: list[str] = []
     _pieces(obj, out, kw, *((",", ":") if compact else (", ", ": ")))
     return "".join(out)
 
 
 _FLAT_LIST = 512     # elements of a list of scalars encoded in one call
+_SMALL_NODES = 64    # containers' elements in all, below which a payload is encoded in one call
+
+
+def _small(obj: Any, budget: int) -> int:
+    """budget less obj's containers' elements (counted through nested dicts and lists), or -1 once it runs out."""
+    if isinstance(obj, dict):
+        items: Any = obj.values()
+    elif isinstance(obj, list):
+        items = obj
+    else:
+        return budget
+    budget -= len(items)
+    for v in items:
+        if budget < 0:
+            return -1
+        if isinstance(v, (dict, list)):
+            budget = _small(v, budget)
+    return budget
 
 
 def _pieces(obj: Any, out: list[str], kw: dict[str, Any], item_sep: str, key_sep: str) -> None:

@@ -96,3 +96,28 @@ async def test_body_too_large_is_413(one_seat: ServerThread) -> None:
             assert resp.status == 413
             err = (await resp.json())["error"]
     assert set(err) == {"message", "type", "param", "code"} and "4096" in err["message"]
+
+
+def test_sse_json_one_call_for_a_chunk_pieces_for_a_large_payload(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A streamed token's chunk is encoded by one json.dumps call (the event loop's cost per token); a payload of
+    # thousands of elements (an echoed prompt's log-probabilities) still in pieces, none of them large (json's C
+    # encoder holds the GIL for a whole call); both exactly json.dumps' text.
+    from service.openai import sse
+    real = json.dumps
+    calls: list[int] = []
+
+    def counting(obj: object, **kw: object) -> str:
+        text = real(obj, **kw)
+        calls.append(len(text))
+        return text
+
+    monkeypatch.setattr(sse.json, "dumps", counting)
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+             "choices": [{"index": 0, "text": " Paris", "logprobs": None, "finish_reason": None}]}
+    assert sse.dumps(chunk, compact=True) == real(chunk, ensure_ascii=False, separators=(",", ":"))
+    assert len(calls) == 1
+    calls.clear()
+    large = {"choices": [{"index": 0, "logprobs": {"tokens": [f"t{i}" for i in range(3000)],
+                                                   "top_logprobs": [{f"t{i}": -0.5, "x": -1.5} for i in range(3000)]}}]}
+    assert sse.dumps(large) == real(large)
+    assert len(calls) > 3000 and max(calls) < 64 * 1024
