@@ -49,7 +49,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = knob(1.0, "KV cache budget in GiB, used when --num-kv-blocks is not given")
     max_num_seqs: int = knob(128, "most sequences in one step's batch")
     max_num_batched_tokens: int = knob(2048, "most tokens in one step's batch (prefill chunks are cut to fit)")
-    decode_prefill_cost: int = knob(256, "a step that carries decodes (or a prompt's chunk under way) admits new "
+    decode_prefill_cost: int = knob(288, "a step that carries decodes (or a prompt's chunk under way) admits new "
                                          "prompts only up to this cost, at least one: prompt tokens counted with "
                                          "their attention over the context "
                                          "(a token after c others costs 1 + c / C, C the model's context length "

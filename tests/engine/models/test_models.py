@@ -103,5 +103,5 @@ def test_context_weight_is_attention_against_the_projections_multiply_adds(tiny_
     assert projections > 0
     assert args.context_weight == pytest.approx(attention / projections, rel=1e-12)
     assert llm.engine.core.scheduler.context_weight == args.context_weight
-    assert llm.engine.core.scheduler.decode_prefill_cost == 256
+    assert llm.engine.core.scheduler.decode_prefill_cost == 288
     assert ModelArgs("LlamaForCausalLM", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e4).context_weight == 1 / 3072

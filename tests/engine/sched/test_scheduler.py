@@ -177,6 +177,36 @@ def test_a_step_with_decodes_admits_new_prompts_up_to_the_cost_cap_at_least_one(
     assert [(x.seq.request_id, x.num_new) for x in step(s).scheduled if x.num_new > 1] == [(big.request_id, 30)]
 
 
+def test_the_default_cap_takes_two_fresh_128_token_prompts_but_one_question_after_3072_tokens() -> None:
+    # The default cap with SmolLM2-135M's weight (1/3,072): two 128-token prompts with nothing cached cost
+    # 2 x 130.7 = 261 and come in together beside the decodes (at 256 they came in one a step: the offline load's
+    # 48 prompts after its first step); two 78-token questions after a cached 3,072-token system prompt cost
+    # 2 x 157 = 314 and still come in one a step (two a step made that load's TTFT p50 a third longer).
+    from engine.config import EngineConfig
+    cap, w = EngineConfig().decode_prefill_cost, 1 / 3072
+    s = make(num_blocks=2048, max_num_seqs=16, budget=2048, cost=cap, weight=w)
+    first = seq(128, first=0)
+    s.add(first)
+    step(s)                                                          # it decodes from now on
+    fresh = [seq(128, first=1000 * (i + 1)) for i in range(3)]
+    for q in fresh:
+        s.add(q)
+    assert [(x.seq.request_id, x.num_new) for x in step(s).scheduled if x.num_new > 1] == \
+        [(fresh[0].request_id, 128), (fresh[1].request_id, 128)]
+    owner = seq(3072 + 1, first=10**6)
+    s2 = make(num_blocks=4096, max_num_seqs=16, budget=4096, cost=cap, weight=w)
+    s2.add(owner)
+    step(s2)                                                         # the system prompt is cached; owner decodes
+    questions = [seq(3072 + 78, first=10**6) for _ in range(2)]
+    for i, q in enumerate(questions):
+        q.token_ids[3072:] = [5 * 10**6 + 100 * i + j for j in range(78)]
+        s2.add(q)
+    assert [(x.seq.request_id, x.num_new) for x in step(s2).scheduled if x.num_new > 1] == \
+        [(questions[0].request_id, 78)]
+    assert [(x.seq.request_id, x.num_new) for x in step(s2).scheduled if x.num_new > 1] == \
+        [(questions[1].request_id, 78)]
+
+
 def test_without_decodes_the_cost_cap_does_not_apply() -> None:
     s = make(budget=100, cost=10)
     qs = [seq(6, first=100 * i) for i in range(4)]
