@@ -47,6 +47,20 @@ def step(s: Scheduler, kv: dict[int, tuple[int, ...]] | None = None) -> Schedule
     return out
 
 
+def decoding(s: Scheduler, prompt_len: int, first: int = 0) -> Sequence:
+    """A prompt added and computed alone: it decodes from the next step on."""
+    q = seq(prompt_len, first=first)
+    s.add(q)
+    step(s)
+    return q
+
+
+def added(s: Scheduler, qs: list[Sequence]) -> list[Sequence]:
+    for q in qs:
+        s.add(q)
+    return qs
+
+
 def write_and_read(s: Scheduler, out: SchedulerOutput, kv: dict[int, tuple[int, ...]]) -> None:
     """What the model does with a step's cache, on a stand-in cache `kv` (cache row -> what its K / V are a
     function of: the tokens up to its position): the block copies, then every chunk's K / V written, then each
@@ -161,12 +175,8 @@ def test_prefix_hit_schedules_only_the_rest() -> None:
 
 def test_a_step_with_decodes_admits_new_prompts_up_to_the_cost_cap_at_least_one() -> None:
     s = make(budget=100, cost=10)
-    first = seq(6, first=0)
-    s.add(first)
-    step(s)                                                          # first decodes from now on
-    later = [seq(6, first=100 * (i + 1)) for i in range(3)]
-    for q in later:
-        s.add(q)
+    first = decoding(s, 6)
+    later = added(s, [seq(6, first=100 * (i + 1)) for i in range(3)])
     # 6 + 6 would pass the cap of 10: one new prompt a step beside the decode, the others wait in order
     assert plan(step(s)) == [(first.request_id, 1, True), (later[0].request_id, 6, True)]
     assert plan(step(s)) == [(first.request_id, 1, True), (later[0].request_id, 1, True),
@@ -185,22 +195,16 @@ def test_the_default_cap_takes_two_fresh_128_token_prompts_but_one_question_afte
     from engine.config import EngineConfig
     cap, w = EngineConfig().decode_prefill_cost, 1 / 3072
     s = make(num_blocks=2048, max_num_seqs=16, budget=2048, cost=cap, weight=w)
-    first = seq(128, first=0)
-    s.add(first)
-    step(s)                                                          # it decodes from now on
-    fresh = [seq(128, first=1000 * (i + 1)) for i in range(3)]
-    for q in fresh:
-        s.add(q)
+    decoding(s, 128)
+    fresh = added(s, [seq(128, first=1000 * (i + 1)) for i in range(3)])
     assert [(x.seq.request_id, x.num_new) for x in step(s).scheduled if x.num_new > 1] == \
         [(fresh[0].request_id, 128), (fresh[1].request_id, 128)]
-    owner = seq(3072 + 1, first=10**6)
     s2 = make(num_blocks=4096, max_num_seqs=16, budget=4096, cost=cap, weight=w)
-    s2.add(owner)
-    step(s2)                                                         # the system prompt is cached; owner decodes
+    decoding(s2, 3072 + 1, first=10**6)                              # the system prompt is cached
     questions = [seq(3072 + 78, first=10**6) for _ in range(2)]
     for i, q in enumerate(questions):
         q.token_ids[3072:] = [5 * 10**6 + 100 * i + j for j in range(78)]
-        s2.add(q)
+    added(s2, questions)
     assert [(x.seq.request_id, x.num_new) for x in step(s2).scheduled if x.num_new > 1] == \
         [(questions[0].request_id, 78)]
     assert [(x.seq.request_id, x.num_new) for x in step(s2).scheduled if x.num_new > 1] == \
