@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.metadata import AttentionMetadata
+from kernels.torch_backend import attend
 
 if TYPE_CHECKING:
     from kernels.cpu.paged_decode import DecodePlan
-from kernels.torch_backend import attend
 
 
 class ContiguousTorchBackend:

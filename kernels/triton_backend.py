@@ -13,11 +13,11 @@ import torch
 from kernels.block_copy import copy_blocks
 from kernels.kv_write import kv_write
 from kernels.metadata import AttentionMetadata
+from kernels.paged_decode import contiguous_decode, paged_decode
+from kernels.paged_prefill import contiguous_prefill, paged_prefill
 
 if TYPE_CHECKING:
     from kernels.cpu.paged_decode import DecodePlan
-from kernels.paged_decode import contiguous_decode, paged_decode
-from kernels.paged_prefill import contiguous_prefill, paged_prefill
 
 
 class TritonAttentionBackend:

@@ -73,8 +73,8 @@ struct PrefixserveBoundLayer {
     const uint8_t* gu_w4; const uint16_t* gu_sz; const uint8_t* dn_w4; const uint16_t* dn_sz;
 };
 
-// What every layer's call of the paged decode kernel shares in a decode step (kernels/cpu/paged_decode.py
-// PagedDecode.step_args): its plan, the caches of layer 0 and the bytes from one layer's caches to the next.
+// What every layer's call of the paged decode kernel shares in a decode step (kernels/cpu/layers.py
+// LayerHalves.decode_layers): its plan, the caches of layer 0 and the bytes from one layer's caches to the next.
 struct PrefixserveDecodeStep {
     int (*decode)(const float* q, const float* k, const float* v, int64_t k_tok, int64_t k_head, int64_t v_tok,
                   int64_t v_head, const int64_t* rows, void* kc, void* vc, const int32_t* bt, int64_t bt_stride,

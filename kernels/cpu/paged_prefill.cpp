@@ -102,17 +102,23 @@ void find_groups(const Args& A, std::vector<int> cand, const std::vector<int>& t
     }
 }
 
-// Sequence s's tokens cut into ceil(n / qb) items of near-equal length, each over keys [k0, its last position].
-void own_items(const Args& A, int s, int qb, int k0, int flags, Plan& p) {
+// f(a, b) for sequence s's tokens [a, b) cut into ceil(n / qb) pieces of near-equal length.
+template <typename F>
+void cut(const Args& A, int s, int qb, F f) {
     const int q0 = A.qstart[s], q1 = A.qstart[s + 1];
     if (q1 <= q0) return;
     const int parts = (q1 - q0 + qb - 1) / qb, len = (q1 - q0 + parts - 1) / parts;
-    for (int a = q0; a < q1; a += len) {
-        const int b = std::min(q1, a + len), k1 = first_pos(A, s, b - 1) + 1;
+    for (int a = q0; a < q1; a += len) f(a, std::min(q1, a + len));
+}
+
+// Sequence s's tokens as items (`cut`), each over keys [k0, its last position].
+void own_items(const Args& A, int s, int qb, int k0, int flags, Plan& p) {
+    cut(A, s, qb, [&](int a, int b) {
+        const int k1 = first_pos(A, s, b - 1) + 1;
         p.phase[flags & RESUME ? 1 : 0].push_back({static_cast<int>(p.segs.size()), 1, k0, k1, flags,
                                                    static_cast<int64_t>(b - a) * (k1 - k0)});
         p.segs.push_back({s, a, b});
-    }
+    });
 }
 
 // Tokens an item of the sequences' own items: the most (up to ITEM_ROWS rows) where they are many; where they
@@ -134,16 +140,11 @@ int item_tokens(const Args& A, const int32_t* seqs, int n_seqs, int threads) {
     std::vector<double> load(threads);
     for (int qb = most; qb >= std::max(1, most / 8); --qb) {
         costs.clear();
-        for (int i = 0; i < n_seqs; ++i) {
-            const int s = seqs[i], q0 = A.qstart[s], q1 = A.qstart[s + 1];
-            if (q1 <= q0) continue;
-            const int parts = (q1 - q0 + qb - 1) / qb, len = (q1 - q0 + parts - 1) / parts;
-            for (int a = q0; a < q1; a += len) {
-                const int b = std::min(q1, a + len);
+        for (int i = 0; i < n_seqs; ++i)
+            cut(A, seqs[i], qb, [&](int a, int b) {
                 costs.insert(costs.end(), A.Hkv,        // one item a KV head
-                             static_cast<int64_t>((b - a) * G + ITEM_PACK_ROWS) * (first_pos(A, s, b - 1) + 1));
-            }
-        }
+                             static_cast<int64_t>((b - a) * G + ITEM_PACK_ROWS) * (first_pos(A, seqs[i], b - 1) + 1));
+            });
         std::sort(costs.begin(), costs.end(), std::greater<int64_t>());
         std::fill(load.begin(), load.end(), 0.);
         for (int64_t c : costs) *std::min_element(load.begin(), load.end()) += static_cast<double>(c);
