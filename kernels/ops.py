@@ -140,7 +140,7 @@ class Ops:
             ops["quantized gemm"] = ("int4 / int8 kernel at every row count (batch-invariant)"
                                      if config.batch_invariant else
                                      f"{'c++ int4 gemm (int4 layers) or ' if self._int4 is not None else ''}"
-                                     f"int4 / int8 kernel below {qg.DENSE_FROM_ROWS} decode rows, else {wide_int4}"
+                                     f"int4 / int8 kernel below {self.wide_rows} decode rows, else {wide_int4}"
                                      f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} "
                                      f"({'oneDNN' if qg.ONEDNN else 'torch linear'})")
             if not config.batch_invariant:
@@ -173,9 +173,16 @@ class Ops:
     # -- elementwise ------------------------------------------------------------------------------------------------
     @property
     def wide_int4_bf16(self) -> bool:
-        """Whether the wide steps (prompt chunks, decode steps of DENSE_FROM_ROWS rows or more) of a GGUF int4 layer
+        """Whether the wide steps (prompt chunks, decode steps of `wide_rows` rows or more) of a GGUF int4 layer
         run the C++ int4 x bfloat16 GEMM (its weights packed by engine/models/quant.py for it)."""
         return self._int4_bf16 is not None
+
+    @property
+    def wide_rows(self) -> int:
+        """The decode rows from which a step is wide: where gemm_bf16 serves GGUF int4 layers, from
+        BF16_GEMM_FROM_ROWS (its crossover with torch's int4 kernel, and the int8 x int8 head's with the int4 rows:
+        kernels/quant_gemm.py); else DENSE_FROM_ROWS (the dense GEMM's). Prompt chunks are wide at any size."""
+        return qg.BF16_GEMM_FROM_ROWS if self._int4_bf16 is not None else qg.DENSE_FROM_ROWS
 
     @property
     def narrow_int4(self) -> bool:
@@ -188,7 +195,7 @@ class Ops:
         layers fit is the model's to ask (`LayerHalves.bind`)."""
         if self._int4_bf16 is None or self._fused is None or self.cpu is None or act != torch.bfloat16:
             return None
-        return self.cpu.layers if prefill or rows >= qg.DENSE_FROM_ROWS else None
+        return self.cpu.layers if prefill or rows >= self.wide_rows else None
 
     def step_act(self, rows: int, prefill: bool) -> torch.dtype:
         """The activations between a mixed step's matmuls: float32 where its quantized layers take the dense GEMM
@@ -259,8 +266,9 @@ class Ops:
         and `scale_zero`, or "int8" with `weight_q` and `scale`; `dense`, the weight as quant_gemm.pack_dense
         made it (bfloat16, or float32 where oneDNN has no bfloat16 GEMM), empty if never read; `bias`), out in x's
         dtype (the step's activations: `step_act`). A quantized layer takes the dense GEMM for a step with a
-        prefill chunk or of DENSE_FROM_ROWS rows and more, its int4 / int8 kernel otherwise; where wide steps are
-        float32 GEMMs (AVX2), an int4 layer's narrow steps take our row-blocked int4 GEMM (`gemm`) and, where its
+        prefill chunk or of DENSE_FROM_ROWS rows and more (BF16_GEMM_FROM_ROWS for gemm_bf16's layers, below), its
+        int4 / int8 kernel otherwise; where wide steps are float32 GEMMs (AVX2), an int4 layer's narrow steps take
+        our row-blocked int4 GEMM (`gemm`) and, where its
         dense weight is its 4-bit values (GGUF Q4), its wide decode steps our panel-decoding one (`gemm_wide`,
         the same weights at 1.2x the dense GEMM's speed); where wide steps are bfloat16 GEMMs (AVX-512 BF16, no
         AMX), such a layer's wide steps, prompt chunks included, take our int4 x bfloat16 GEMM (`gemm_bf16`: the
@@ -273,8 +281,9 @@ class Ops:
         kind = getattr(layer, "kind", None)
         if kind is None:
             return F.linear(x, layer.weight, layer.bias)
-        wide = prefill or x.shape[0] >= qg.DENSE_FROM_ROWS
-        if self._int4_bf16 is not None and kind == "int4" and layer.w4.numel() and wide:
+        bf16_gemm = self._int4_bf16 is not None and kind == "int4" and layer.w4.numel() > 0
+        wide = prefill or x.shape[0] >= (qg.BF16_GEMM_FROM_ROWS if bf16_gemm else qg.DENSE_FROM_ROWS)
+        if bf16_gemm and wide:
             # a wide step: the dense copy's bfloat16 weights decoded from 4 bits a block at a time (a
             # third of its bytes from memory; kernels/cpu/int4_gemm.py gemm_bf16, measured in engine/models/quant.py)
             y = self._int4_bf16.gemm_bf16(x.to(torch.bfloat16).contiguous(), layer.w4, layer.sz4)
@@ -309,7 +318,7 @@ class Ops:
             return F.linear(x, head.weight, head.bias).float()
         xf = x.float().contiguous()
         rows = x.shape[0]
-        if self.config.batch_invariant or rows < qg.DENSE_FROM_ROWS:
+        if self.config.batch_invariant or rows < self.wide_rows:
             logits, k = self.linear(head.coarse, x.to(self.step_act(rows, False)), prefill=False).float(), head.refine
         elif head.wide is not None:
             logits, k = head.wide(xf), min(head.refine, head.wide.refine)

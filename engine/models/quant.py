@@ -86,7 +86,7 @@ class Int4Linear(nn.Module):
         # (kernels/ops.py Ops.linear); a float weight kept from from_float is the better of the two, and read
         self.dense_is_int4 = dense is None
         # where the dense GEMM is bfloat16 (AVX-512 BF16), a GGUF Q4 layer's wide steps (prompt chunks and decode
-        # steps of DENSE_FROM_ROWS rows or more) run the int4 x bfloat16 GEMM (int4_gemm.py gemm_bf16): the same
+        # steps of BF16_GEMM_FROM_ROWS rows or more) run the int4 x bfloat16 GEMM (int4_gemm.py gemm_bf16): the same
         # 4-bit values and bfloat16 scales, decoded into exactly the dense copy's weights; that copy is then never read
         # and not kept (212 MB for SmolLM2)
         self.w4: torch.Tensor

@@ -24,7 +24,7 @@ computing while the other waited at the next parallel region for it. With the ha
 
 Where it applies (`LayerHalves.bind`): every layer's four projections int4 with gemm_bf16's packed weights (a
 GGUF Q4 model on an AVX-512 BF16 CPU without AMX: quant.py), no biases, float32 norm weights; and the step wide
-(a prompt chunk, or DENSE_FROM_ROWS rows and more: the steps whose projections take gemm_bf16) with bfloat16
+(a prompt chunk, or `Ops.wide_rows` rows and more: the steps whose projections take gemm_bf16) with bfloat16
 between its matmuls. Anything else keeps the op-by-op path.
 """
 from __future__ import annotations

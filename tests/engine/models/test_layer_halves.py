@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.quant import DENSE_FROM_ROWS
 from kernels.cpu.layers import LayerHalves
 from kernels.ops import Ops, default_ops
+from kernels.quant_gemm import BF16_GEMM_FROM_ROWS
 
 
 def answers(llm: LLM, prompts: list[list[int]]) -> list[Any]:
@@ -28,7 +28,7 @@ def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real
         pytest.skip("no C++ halves on this CPU: its wide steps do not take gemm_bf16 (no AVX-512 BF16, or AMX)")
     rng = random.Random(7)
     # 14 prompts of 30-260 tokens: chunks of a 512-token budget, steps mixing chunks and decodes, wide decode
-    # steps, then narrow ones (fewer than DENSE_FROM_ROWS sequences left) as the longest finish last
+    # steps, then narrow ones (fewer than BF16_GEMM_FROM_ROWS sequences left) as the longest finish last
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 260))] for _ in range(14)]
     calls: list[tuple[str, int]] = []
     real_pre, real_decode = LayerHalves.pre, LayerHalves.decode_layers
@@ -48,7 +48,8 @@ def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real
               max_num_batched_tokens=512)
     fast = answers(llm, prompts)
     assert {kind for kind, _ in calls} == {"halves", "decode"}     # prompt and mixed steps; decode steps
-    assert min(rows for _, rows in calls) >= DENSE_FROM_ROWS
+    assert min(rows for _, rows in calls) >= BF16_GEMM_FROM_ROWS
+    assert BF16_GEMM_FROM_ROWS in {rows for kind, rows in calls if kind == "decode"}    # as few as that: one call
     monkeypatch.setattr(Ops, "layer_halves", lambda self, *a: None)
     calls.clear()
     slow = answers(llm, prompts)
@@ -60,8 +61,9 @@ def test_narrow_decode_steps_and_float32_activations_keep_the_op_by_op_path() ->
     ops = default_ops()
     if ops.layer_halves(True, 1, torch.bfloat16) is None:
         pytest.skip("no C++ halves on this CPU")
-    assert ops.layer_halves(False, DENSE_FROM_ROWS, torch.bfloat16) is not None      # a wide decode step
-    assert ops.layer_halves(False, DENSE_FROM_ROWS - 1, torch.bfloat16) is None      # torch's int4 kernel
+    assert ops.wide_rows == BF16_GEMM_FROM_ROWS == 5
+    assert ops.layer_halves(False, 5, torch.bfloat16) is not None      # a wide decode step: gemm_bf16
+    assert ops.layer_halves(False, 4, torch.bfloat16) is None          # torch's int4 kernel
     assert ops.layer_halves(True, 64, torch.float32) is None
 
 
