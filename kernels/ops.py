@@ -281,12 +281,12 @@ class Ops:
         kind = getattr(layer, "kind", None)
         if kind is None:
             return F.linear(x, layer.weight, layer.bias)
-        bf16_gemm = self._int4_bf16 is not None and kind == "int4" and layer.w4.numel() > 0
-        wide = prefill or x.shape[0] >= (qg.BF16_GEMM_FROM_ROWS if bf16_gemm else qg.DENSE_FROM_ROWS)
-        if bf16_gemm and wide:
+        bf16_gemm = self._int4_bf16 if kind == "int4" and layer.w4.numel() else None
+        wide = prefill or x.shape[0] >= (qg.BF16_GEMM_FROM_ROWS if bf16_gemm is not None else qg.DENSE_FROM_ROWS)
+        if bf16_gemm is not None and wide:
             # a wide step: the dense copy's bfloat16 weights decoded from 4 bits a block at a time (a
             # third of its bytes from memory; kernels/cpu/int4_gemm.py gemm_bf16, measured in engine/models/quant.py)
-            y = self._int4_bf16.gemm_bf16(x.to(torch.bfloat16).contiguous(), layer.w4, layer.sz4)
+            y = bf16_gemm.gemm_bf16(x.to(torch.bfloat16).contiguous(), layer.w4, layer.sz4)
             return y.to(x.dtype) if layer.bias is None else (y.float() + layer.bias.float()).to(x.dtype)
         own = self._int4 if kind == "int4" and layer.q8.numel() else None
         if own is not None and layer.dense_is_int4 and wide and not prefill:
