@@ -266,14 +266,14 @@ class Ops:
         and `scale_zero`, or "int8" with `weight_q` and `scale`; `dense`, the weight as quant_gemm.pack_dense
         made it (bfloat16, or float32 where oneDNN has no bfloat16 GEMM), empty if never read; `bias`), out in x's
         dtype (the step's activations: `step_act`). A quantized layer takes the dense GEMM for a step with a
-        prefill chunk or of DENSE_FROM_ROWS rows and more (BF16_GEMM_FROM_ROWS for gemm_bf16's layers, below), its
-        int4 / int8 kernel otherwise; where wide steps are float32 GEMMs (AVX2), an int4 layer's narrow steps take
-        our row-blocked int4 GEMM (`gemm`) and, where its
+        prefill chunk or of DENSE_FROM_ROWS rows and more, its int4 / int8 kernel otherwise; where wide steps are
+        float32 GEMMs (AVX2), an int4 layer's narrow steps take our row-blocked int4 GEMM (`gemm`) and, where its
         dense weight is its 4-bit values (GGUF Q4), its wide decode steps our panel-decoding one (`gemm_wide`,
         the same weights at 1.2x the dense GEMM's speed); where wide steps are bfloat16 GEMMs (AVX-512 BF16, no
         AMX), such a layer's wide steps, prompt chunks included, take our int4 x bfloat16 GEMM (`gemm_bf16`: the
-        dense copy's weights decoded a block at a time, none kept); in the batch-invariant mode, torch's int4 /
-        int8 kernel always.
+        dense copy's weights decoded a block at a time, none kept), and its decode steps are wide from
+        BF16_GEMM_FROM_ROWS rows (that GEMM's crossover with the int4 kernel, kernels/quant_gemm.py); in the
+        batch-invariant mode, torch's int4 / int8 kernel always.
 
         NOTE: why per step and not per row count alone: a prompt's tokens must go through the same kernel
         whether they are computed in one prefill or in two (a registered prefix, then the request's own
