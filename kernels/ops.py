@@ -136,11 +136,12 @@ class Ops:
             ops["elementwise (mixed precision)"] = ops["logits reductions"] = variant
             ops["paged decode"] = "triton" if self.device.type == "cuda" else "torch"
         if on_cpu:
-            wide_int4 = "c++ int4 x bf16 gemm (GGUF int4 layers) or " if self._int4_bf16 is not None else ""
+            wide_int4 = (f"c++ int4 x bf16 gemm from {self.wide_rows} decode rows (GGUF int4 layers); other layers: "
+                         if self._int4_bf16 is not None else "")
             ops["quantized gemm"] = ("int4 / int8 kernel at every row count (batch-invariant)"
                                      if config.batch_invariant else
-                                     f"{'c++ int4 gemm (int4 layers) or ' if self._int4 is not None else ''}"
-                                     f"int4 / int8 kernel below {self.wide_rows} decode rows, else {wide_int4}"
+                                     f"{wide_int4}{'c++ int4 gemm (int4 layers) or ' if self._int4 is not None else ''}"
+                                     f"int4 / int8 kernel below {qg.DENSE_FROM_ROWS} decode rows, else "
                                      f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} "
                                      f"({'oneDNN' if qg.ONEDNN else 'torch linear'})")
             if not config.batch_invariant:
@@ -150,7 +151,7 @@ class Ops:
                     head = f"c++ int4 x int8 gemm ({self._int4.path}), top {Q8Head.refine} exact"
                 else:
                     head = f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} GEMM, top {BF16_HEAD_REFINE} exact"
-                ops["output layer, wide steps"] = head
+                ops[f"output layer, from {self.head_wide_rows} rows"] = head
             if self._int4_bf16 is not None and self._fused is not None and self.cpu is not None:
                 ops["decoder layers, wide steps"] = (f"c++ {self.cpu.variant} halves around the attention "
                                                      "(GGUF int4 layers: kernels/cpu/layers.py)")
@@ -179,10 +180,18 @@ class Ops:
 
     @property
     def wide_rows(self) -> int:
-        """The decode rows from which a step is wide: where gemm_bf16 serves GGUF int4 layers, from
-        BF16_GEMM_FROM_ROWS (its crossover with torch's int4 kernel, and the int8 x int8 head's with the int4 rows:
-        kernels/quant_gemm.py); else DENSE_FROM_ROWS (the dense GEMM's). Prompt chunks are wide at any size."""
+        """The decode rows from which a step's layers are wide: where gemm_bf16 serves GGUF int4 layers, from
+        BF16_GEMM_FROM_ROWS (every step: its layers in one call beat torch's int4 kernel op by op,
+        kernels/quant_gemm.py); else DENSE_FROM_ROWS (the dense GEMM's crossover). Prompt chunks are wide at any
+        size."""
         return qg.BF16_GEMM_FROM_ROWS if self._int4_bf16 is not None else qg.DENSE_FROM_ROWS
+
+    @property
+    def head_wide_rows(self) -> int:
+        """The rows from which a quantized head takes its wide product (the int8 x int8 one): INT8_HEAD_FROM_ROWS
+        where gemm_bf16 serves the layers (its crossover with the int4 rows, measured there); else
+        DENSE_FROM_ROWS."""
+        return qg.INT8_HEAD_FROM_ROWS if self._int4_bf16 is not None else qg.DENSE_FROM_ROWS
 
     @property
     def narrow_int4(self) -> bool:
@@ -271,9 +280,9 @@ class Ops:
         dense weight is its 4-bit values (GGUF Q4), its wide decode steps our panel-decoding one (`gemm_wide`,
         the same weights at 1.2x the dense GEMM's speed); where wide steps are bfloat16 GEMMs (AVX-512 BF16, no
         AMX), such a layer's wide steps, prompt chunks included, take our int4 x bfloat16 GEMM (`gemm_bf16`: the
-        dense copy's weights decoded a block at a time, none kept), and its decode steps are wide from
-        BF16_GEMM_FROM_ROWS rows (that GEMM's crossover with the int4 kernel, kernels/quant_gemm.py); in the
-        batch-invariant mode, torch's int4 / int8 kernel always.
+        dense copy's weights decoded a block at a time, none kept), its decode steps too at every row count
+        (BF16_GEMM_FROM_ROWS: with the layers in one C++ call they beat the int4 kernel op by op,
+        kernels/quant_gemm.py); in the batch-invariant mode, torch's int4 / int8 kernel always.
 
         NOTE: why per step and not per row count alone: a prompt's tokens must go through the same kernel
         whether they are computed in one prefill or in two (a registered prefix, then the request's own
@@ -318,7 +327,7 @@ class Ops:
             return F.linear(x, head.weight, head.bias).float()
         xf = x.float().contiguous()
         rows = x.shape[0]
-        if self.config.batch_invariant or rows < self.wide_rows:
+        if self.config.batch_invariant or rows < self.head_wide_rows:
             logits, k = self.linear(head.coarse, x.to(self.step_act(rows, False)), prefill=False).float(), head.refine
         elif head.wide is not None:
             logits, k = head.wide(xf), min(head.refine, head.wide.refine)

@@ -40,12 +40,17 @@ DENSE_DTYPE = torch.bfloat16 if ONEDNN_BF16 else torch.float32
 # 22.5 / 43.4 / 85.3 ms at 8 / 16 / 32 rows against 31.8 / 43.4 / 68.5 ms.
 DENSE_FROM_ROWS = 10 if ONEDNN_BF16 else 16
 # Where a GGUF int4 layer's wide steps take our int4 x bfloat16 GEMM instead (kernels/cpu/int4_gemm.py gemm_bf16:
-# AVX-512 BF16 without AMX), its crossover with the int4 kernel comes sooner: over SmolLM2's 120 projections,
-# weights cold, the two alternating on a Zen 4, torch's int4 kernel 4.70 / 7.21 / 11.68 / 12.25 / 17.46 ms at
-# 1 / 4 / 5 / 8 / 10 rows against gemm_bf16's 7.63 / 8.60 / 8.55 / 10.68 / 12.10 ms; and the head's int8 x int8
-# product (Int8ActHead) against the int4 rows, top candidates recomputed in both: 1.54 / 1.81 / 2.20 ms at
-# 4 / 5 / 8 rows against 1.69 / 3.13 / 3.32 ms (kernels/ops.py Ops.wide_rows).
-BF16_GEMM_FROM_ROWS = 5
+# AVX-512 BF16 without AMX), every decode step is wide: over SmolLM2's 120 projections, weights cold, the two
+# alternating on a Zen 4, torch's int4 kernel takes 4.70 / 7.21 / 11.68 / 12.25 / 17.46 ms at 1 / 4 / 5 / 8 / 10
+# rows against gemm_bf16's 7.63 / 8.60 / 8.55 / 10.68 / 12.10 ms, so the GEMMs alone cross at 5 rows; but a wide
+# decode step runs its layers in one C++ call (kernels/cpu/layers.py) where a narrow one goes op by op from
+# Python, and whole decode steps, the thresholds alternating step by step in one process, took 9.45 / 10.34 /
+# 11.63 / 13.06 / 17.63 ms at 1 / 2 / 4 / 6 / 8 rows wide against 11.01 / 12.48 / 15.71 / 19.24 / 24.13 narrow.
+# The head's int8 x int8 product (Int8ActHead) against the int4 rows, top candidates recomputed in both: 1.79 /
+# 1.50 / 1.54 / 1.81 / 2.20 ms at 1 / 2 / 4 / 5 / 8 rows against 1.17 / 1.20 / 1.69 / 3.13 / 3.32 ms
+# (kernels/ops.py Ops.wide_rows, Ops.head_wide_rows).
+BF16_GEMM_FROM_ROWS = 1
+INT8_HEAD_FROM_ROWS = 4
 
 
 def onednn_bf16() -> bool:
@@ -133,5 +138,5 @@ class Int8ActHead:
         return y.mul_(s)
 
 
-__all__ = ["ACT", "BF16_GEMM_FROM_ROWS", "DENSE_DTYPE", "DENSE_FROM_ROWS", "GROUP", "Int8ActHead", "dense_mm",
-           "int4_fits", "int4_mm", "int8_mm", "onednn_bf16", "pack_dense", "pack_int4"]
+__all__ = ["ACT", "BF16_GEMM_FROM_ROWS", "DENSE_DTYPE", "DENSE_FROM_ROWS", "GROUP", "INT8_HEAD_FROM_ROWS",
+           "Int8ActHead", "dense_mm", "int4_fits", "int4_mm", "int8_mm", "onednn_bf16", "pack_dense", "pack_int4"]

@@ -1,7 +1,7 @@
 """The C++ halves of a decoder layer and the one-call decode step (kernels/cpu/layers.py) on the real model: the same
 kernels in the same order as the op-by-op path, so the same tokens and the same log-probabilities, bit for bit,
-through prompt chunks and mixed steps (the halves), wide decode steps (one call) and the narrow ones that keep the
-op-by-op path; and the layers that do not fit keep it."""
+through prompt chunks and mixed steps (the halves) and decode steps of any width (one call); float32 activations and
+the layers that do not fit keep the op-by-op path."""
 from __future__ import annotations
 
 import random
@@ -14,7 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from kernels.cpu.layers import LayerHalves
 from kernels.ops import Ops, default_ops
-from kernels.quant_gemm import BF16_GEMM_FROM_ROWS
+from kernels.quant_gemm import BF16_GEMM_FROM_ROWS, INT8_HEAD_FROM_ROWS
 
 
 def answers(llm: LLM, prompts: list[list[int]]) -> list[Any]:
@@ -28,7 +28,7 @@ def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real
         pytest.skip("no C++ halves on this CPU: its wide steps do not take gemm_bf16 (no AVX-512 BF16, or AMX)")
     rng = random.Random(7)
     # 14 prompts of 30-260 tokens: chunks of a 512-token budget, steps mixing chunks and decodes, wide decode
-    # steps, then narrow ones (fewer than BF16_GEMM_FROM_ROWS sequences left) as the longest finish last
+    # steps, down to one sequence left as the longest finish last (every decode step is wide where gemm_bf16 serves)
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 260))] for _ in range(14)]
     calls: list[tuple[str, int]] = []
     real_pre, real_decode = LayerHalves.pre, LayerHalves.decode_layers
@@ -48,8 +48,7 @@ def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real
               max_num_batched_tokens=512)
     fast = answers(llm, prompts)
     assert {kind for kind, _ in calls} == {"halves", "decode"}     # prompt and mixed steps; decode steps
-    assert min(rows for _, rows in calls) >= BF16_GEMM_FROM_ROWS
-    assert BF16_GEMM_FROM_ROWS in {rows for kind, rows in calls if kind == "decode"}    # as few as that: one call
+    assert {1, 2, 3} <= {rows for kind, rows in calls if kind == "decode"}     # narrow steps in one call too
     monkeypatch.setattr(Ops, "layer_halves", lambda self, *a: None)
     calls.clear()
     slow = answers(llm, prompts)
@@ -57,13 +56,13 @@ def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real
     assert fast == slow
 
 
-def test_narrow_decode_steps_and_float32_activations_keep_the_op_by_op_path() -> None:
+def test_every_decode_step_takes_the_halves_and_float32_activations_keep_the_op_by_op_path() -> None:
     ops = default_ops()
     if ops.layer_halves(True, 1, torch.bfloat16) is None:
         pytest.skip("no C++ halves on this CPU")
-    assert ops.wide_rows == BF16_GEMM_FROM_ROWS == 5
-    assert ops.layer_halves(False, 5, torch.bfloat16) is not None      # a wide decode step: gemm_bf16
-    assert ops.layer_halves(False, 4, torch.bfloat16) is None          # torch's int4 kernel
+    assert ops.wide_rows == BF16_GEMM_FROM_ROWS == 1
+    assert ops.layer_halves(False, 1, torch.bfloat16) is not None      # batch-1 decode: gemm_bf16, one call
+    assert ops.head_wide_rows == INT8_HEAD_FROM_ROWS == 4              # the head: int4 rows below 4, int8 x int8
     assert ops.layer_halves(True, 64, torch.float32) is None
 
 

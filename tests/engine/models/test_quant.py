@@ -170,25 +170,26 @@ def test_wide_decode_steps_of_gguf_q4_layers_decode_the_4_bit_weights() -> None:
 
 
 def test_wide_steps_of_gguf_q4_layers_run_the_int4_bf16_gemm_and_keep_no_dense_copy() -> None:
-    """Where wide steps are bfloat16 GEMMs (AVX-512 BF16), a GGUF Q4 layer's prompt chunks (any row count) and
-    decode steps of DENSE_FROM_ROWS rows and more take int4_gemm.cpp gemm_bf16 (its bits exactly), whose decoded
-    weights are the dense copy's: so the layer keeps no dense copy. Narrow decode steps keep torch's int4 kernel; a
-    layer quantized here from a float weight keeps that weight (from_float) and the dense GEMM."""
+    """Where wide steps are bfloat16 GEMMs (AVX-512 BF16), a GGUF Q4 layer's prompt chunks and decode steps, of any
+    row count (BF16_GEMM_FROM_ROWS), take int4_gemm.cpp gemm_bf16 (its bits exactly), whose decoded weights are the
+    dense copy's: so the layer keeps no dense copy. A layer quantized here from a float weight keeps that weight
+    (from_float), torch's int4 kernel for its narrow decode steps and the dense GEMM for the wide ones."""
     ops = default_ops()
     if not ops.wide_int4_bf16:
         pytest.skip("wide steps are not bfloat16 GEMMs on this CPU (or the C++ kernels are off)")
     exact, b = gguf_q4_layer(ops, seed=4)
     assert exact.dense.numel() == 0 and exact.w4.shape == (6, 64, 16)
-    for rows, prefill in ((DENSE_FROM_ROWS + 5, False), (DENSE_FROM_ROWS + 5, True), (3, True)):
+    for rows, prefill in ((DENSE_FROM_ROWS + 5, False), (DENSE_FROM_ROWS + 5, True), (3, True), (3, False),
+                          (1, False)):
         x = torch.randn(rows, 128).to(torch.bfloat16)
         own = (ops._int4_bf16.gemm_bf16(x, exact.w4, exact.sz4).float() + b).to(torch.bfloat16)
         assert torch.equal(ops.linear(exact, x, prefill=prefill), own)
-    x = torch.randn(3, 128).to(torch.bfloat16)                       # a narrow decode step: torch's int4 kernel
-    assert torch.equal(ops.linear(exact, x, prefill=False),
-                       (qg.int4_mm(x, exact.packed, exact.scale_zero) + b.to(torch.bfloat16)))
     w = torch.randn(96, 128) * 0.1
     kept = Int4Linear.from_float(w, b, ops)
     assert kept.w4.numel() == 0 and kept.dense.numel() == 96 * 128
+    x = torch.randn(3, 128).to(torch.bfloat16)                       # its narrow decode step: torch's int4 kernel
+    assert torch.equal(ops.linear(kept, x, prefill=False), qg.int4_mm(x, kept.packed, kept.scale_zero) +
+                       b.to(torch.bfloat16))
     x = torch.randn(DENSE_FROM_ROWS + 5, 128).to(torch.bfloat16)
     assert rel_err(ops.linear(kept, x, prefill=False).float(), x.float() @ w.T + b) < 2e-2
 
