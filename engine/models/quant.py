@@ -24,7 +24,8 @@ Q4 layer's wide decode steps take our own int4 GEMM instead (kernels/cpu/int4_ge
 the 4-bit weights decoded to float32 in L1 for all of a step's rows, 1.2x oneDNN's float32 GEMM at 64 rows
 with the weights cold), and only prompt chunks read the dense copy. On an AVX-512 BF16 CPU without AMX (with
 AMX oneDNN's GEMM runs on its tile units and stays) a GGUF Q4 layer's
-wide steps, prompt chunks included, take kernels/cpu/int4_gemm.py gemm_bf16 instead of oneDNN: each block of 32
+wide steps, prompt chunks included, and every decode step whatever its rows (kernels/quant_gemm.py
+BF16_GEMM_FROM_ROWS) take kernels/cpu/int4_gemm.py gemm_bf16 instead of oneDNN: each block of 32
 outputs decoded from the 4-bit values into exactly the dense copy's bfloat16 weights (in L2), then vdpbf16ps over
 all of the step's rows; the weights come from memory at a third of the bytes (4 bits and bfloat16 scales).
 Measured on a Zen 4 over SmolLM2's 120 projections, weights cold, the two alternating: 14.0 / 41.5 / 68.7 /
