@@ -291,7 +291,7 @@ class Ops:
         if kind is None:
             return F.linear(x, layer.weight, layer.bias)
         bf16_gemm = self._int4_bf16 if kind == "int4" and layer.w4.numel() else None
-        wide = prefill or x.shape[0] >= (qg.BF16_GEMM_FROM_ROWS if bf16_gemm is not None else qg.DENSE_FROM_ROWS)
+        wide = prefill or x.shape[0] >= (self.wide_rows if bf16_gemm is not None else qg.DENSE_FROM_ROWS)
         if bf16_gemm is not None and wide:
             # a wide step: the dense copy's bfloat16 weights decoded from 4 bits a block at a time (a
             # third of its bytes from memory; kernels/cpu/int4_gemm.py gemm_bf16, measured in engine/models/quant.py)

@@ -61,6 +61,11 @@ def added(s: Scheduler, qs: list[Sequence]) -> list[Sequence]:
     return qs
 
 
+def prompts(out: SchedulerOutput) -> list[tuple[int, int]]:
+    """(request id, tokens) of a step's prompt chunks (the rows of more than one token)."""
+    return [(x.seq.request_id, x.num_new) for x in out.scheduled if x.num_new > 1]
+
+
 def write_and_read(s: Scheduler, out: SchedulerOutput, kv: dict[int, tuple[int, ...]]) -> None:
     """What the model does with a step's cache, on a stand-in cache `kv` (cache row -> what its K / V are a
     function of: the tokens up to its position): the block copies, then every chunk's K / V written, then each
@@ -184,7 +189,7 @@ def test_a_step_with_decodes_admits_new_prompts_up_to_the_cost_cap_at_least_one(
     big = seq(30, first=900)                                         # alone it passes the cap: it comes in whole
     s.add(big)
     assert [x.seq.request_id for x in step(s).scheduled if x.num_new > 1] == [later[2].request_id]
-    assert [(x.seq.request_id, x.num_new) for x in step(s).scheduled if x.num_new > 1] == [(big.request_id, 30)]
+    assert prompts(step(s)) == [(big.request_id, 30)]
 
 
 def test_the_default_cap_takes_two_fresh_128_token_prompts_but_one_question_after_3072_tokens() -> None:
@@ -197,18 +202,15 @@ def test_the_default_cap_takes_two_fresh_128_token_prompts_but_one_question_afte
     s = make(num_blocks=2048, max_num_seqs=16, budget=2048, cost=cap, weight=w)
     decoding(s, 128)
     fresh = added(s, [seq(128, first=1000 * (i + 1)) for i in range(3)])
-    assert [(x.seq.request_id, x.num_new) for x in step(s).scheduled if x.num_new > 1] == \
-        [(fresh[0].request_id, 128), (fresh[1].request_id, 128)]
+    assert prompts(step(s)) == [(fresh[0].request_id, 128), (fresh[1].request_id, 128)]
     s2 = make(num_blocks=4096, max_num_seqs=16, budget=4096, cost=cap, weight=w)
     decoding(s2, 3072 + 1, first=10**6)                              # the system prompt is cached
     questions = [seq(3072 + 78, first=10**6) for _ in range(2)]
     for i, q in enumerate(questions):
         q.token_ids[3072:] = [5 * 10**6 + 100 * i + j for j in range(78)]
     added(s2, questions)
-    assert [(x.seq.request_id, x.num_new) for x in step(s2).scheduled if x.num_new > 1] == \
-        [(questions[0].request_id, 78)]
-    assert [(x.seq.request_id, x.num_new) for x in step(s2).scheduled if x.num_new > 1] == \
-        [(questions[1].request_id, 78)]
+    assert prompts(step(s2)) == [(questions[0].request_id, 78)]
+    assert prompts(step(s2)) == [(questions[1].request_id, 78)]
 
 
 def test_without_decodes_the_cost_cap_does_not_apply() -> None:
@@ -231,9 +233,9 @@ def test_the_cost_of_a_prompt_counts_its_attention_over_the_cached_prefix() -> N
         q.token_ids[16:] = [500 + 10 * i + j for j in range(4)]
         s.add(q)
     out = step(s)
-    assert [(x.seq.request_id, x.num_new) for x in out.scheduled if x.num_new > 1] == [(a.request_id, 4)]
+    assert prompts(out) == [(a.request_id, 4)]
     assert a.num_cached_tokens == 16                                  # b (13 more) would pass the cap: next step
-    assert [(x.seq.request_id, x.num_new) for x in step(s).scheduled if x.num_new > 1] == [(b.request_id, 4)]
+    assert prompts(step(s)) == [(b.request_id, 4)]
     s2 = make(budget=100, cost=14)                                   # weight 0: the same two cost 4 each
     owner2 = seq(17, max_tokens=50)
     s2.add(owner2)
