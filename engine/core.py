@@ -307,7 +307,9 @@ class EngineCore:
                 rows += [i] * len(family)
                 targets += family
         if targets:
-            self._sample(logits[rows], targets)
+            # every row once, in order (a plain decode step): the step's logits as they are, no [N, V] copy
+            identity = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
+            self._sample(logits if identity else logits[rows], targets)
             out.sampled = targets
         for group in out.groups:
             if group.beam is not None and not group.finished and group.seqs and \

@@ -233,11 +233,18 @@ constexpr int BC = 2;            // panels of 16 outputs a block
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
-// Bp for the block's two panels (w4 and sz at panel 2 b), words [0, K / 2).
-inline void decode_block_bf16(const uint8_t* w4, const uint16_t* sz, int K, uint32_t* bp) {  // BC panels
+// Bp for the block's two panels (w4 and sz at panel 2 b), words [0, K / 2). A panel's 16 bytes of word w widen to
+// 16 lanes: the low nibbles are the first 8 outputs' pairs (q[j, 2 w], q[j, 2 w + 1]) in lanes 2 j, 2 j + 1, the
+// high nibbles the last 8's, so the two halves converted to bfloat16 side by side are the words vdpbf16ps reads.
+// (q - 8) s is exact in float32 (a 4-bit integer times an 8-bit significand), so one FMA rounds as the product
+// then the sum do.
+// next_w4 / next_sz: the block this thread decodes next (nullptr: none), prefetched into L2 as this one is
+// decoded (a block's 4-bit weights arrive from memory while this one's rows run, not when its decode starts).
+inline void decode_block_bf16(const uint8_t* w4, const uint16_t* sz, int K, uint32_t* bp, const uint8_t* next_w4,
+                              const uint16_t* next_sz) {  // BC panels
     const int G = K / GROUP, W = K / 2;
-    const __m512i lo_hi = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i last = _mm512_add_epi32(first, _mm512_set1_epi32(8));
     const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
     for (int c = 0; c < BC; ++c) {
         const uint8_t* wp = w4 + static_cast<int64_t>(c) * W * 16;
@@ -247,14 +254,19 @@ inline void decode_block_bf16(const uint8_t* w4, const uint16_t* sz, int K, uint
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(zp + g * 32))), 16));
             const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(zp + g * 32 + 16))), 16));
+            const __m512 s_lo = _mm512_permutexvar_ps(first, s), z_lo = _mm512_permutexvar_ps(first, z);
+            const __m512 s_hi = _mm512_permutexvar_ps(last, s), z_hi = _mm512_permutexvar_ps(last, z);
+            if (next_w4 != nullptr) {                 // the next block's bytes at the same place: a group's 256 B
+                const uint8_t* nw = next_w4 + static_cast<int64_t>(c) * W * 16 + g * (GROUP / 2) * 16;
+                for (int line = 0; line < GROUP / 2 * 16; line += 64) _mm_prefetch(reinterpret_cast<const char*>(nw + line), _MM_HINT_T1);
+                _mm_prefetch(reinterpret_cast<const char*>(next_sz + static_cast<int64_t>(c) * G * 32 + g * 32), _MM_HINT_T1);
+            }
             for (int w = g * (GROUP / 2); w < (g + 1) * (GROUP / 2); ++w) {
                 const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + w * 16)));
                 const __m512 lo = _mm512_permutexvar_ps(b, lut);                      // q - 8 (an index's low 4 bits)
                 const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
-                const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_mul_ps(hi, s), z),
-                                                          _mm512_add_ps(_mm512_mul_ps(lo, s), z));
-                _mm512_store_si512(bp + (w * BC + c) * 16,
-                                   _mm512_permutexvar_epi16(lo_hi, reinterpret_cast<const __m512i&>(pair)));
+                const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s_hi, z_hi), _mm512_fmadd_ps(lo, s_lo, z_lo));
+                _mm512_store_si512(bp + (w * BC + c) * 16, reinterpret_cast<const __m512i&>(pair));
             }
         }
     }
@@ -431,8 +443,8 @@ int prefixserve_int4_gemm_wide(const float* x, int64_t x_stride, const uint32_t*
 #endif
 }
 
-// x: [T, K] bfloat16 (row stride x_stride); w4: [N / 16, K / 2, 16] bytes (byte (p, w, j) = q[16 p + j, 2 w] |
-// q[16 p + j, 2 w + 1] << 4); sz: [N / 16, K / 32, 2, 16] bfloat16 (s, then z, of the panel's
+// x: [T, K] bfloat16 (row stride x_stride); w4: [N / 16, K / 2, 16] bytes (byte (p, w, 2 j + c) =
+// q[16 p + j, 2 w + c] | q[16 p + 8 + j, 2 w + c] << 4); sz: [N / 16, K / 32, 2, 16] bfloat16 (s, then z, of the panel's
 // 16 outputs); y: [T, N] bfloat16 (row stride y_stride). Returns 0; -1 for shapes it does not take (N % 32,
 // K % 32) or no memory for the scratch; -2 on a build without AVX-512 BF16.
 int prefixserve_int4_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_t* w4, const uint16_t* sz,
@@ -449,11 +461,14 @@ int prefixserve_int4_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_
             #pragma omp atomic write
             failed = 1;
         }
+        const int blocks = N / (16 * BC);
         #pragma omp for schedule(static)
-        for (int b = 0; b < N / (16 * BC); ++b) {
+        for (int b = 0; b < blocks; ++b) {           // static: a thread's blocks are consecutive, b + 1 its next
             if (bp == nullptr) continue;
+            const bool next = b + 1 < blocks;
             decode_block_bf16(w4 + static_cast<int64_t>(BC * b) * W * 16, sz + static_cast<int64_t>(BC * b) * G * 32, K,
-                              bp);
+                              bp, next ? w4 + static_cast<int64_t>(BC * (b + 1)) * W * 16 : nullptr,
+                              next ? sz + static_cast<int64_t>(BC * (b + 1)) * G * 32 : nullptr);
             int t = 0;
             for (; t + BR <= T; t += BR)
                 micro_bf16<BR>(x + t * x_stride, x_stride, bp, W, y + t * y_stride + 16 * BC * b, y_stride);

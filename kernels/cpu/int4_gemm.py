@@ -8,8 +8,10 @@
     gemm_wide(x, w, sz)   the same product for wide decode steps (16 rows and more): each panel of 16 outputs x
                           <= 320 inputs decoded to float32 once into L1, then a float32 GEMM micro-kernel (6 rows
                           x 16 outputs, twelve accumulators) runs every row over it
-    pack_bf16(q, s, z)    (w4 [N / 16, K / 2, 16] uint8: byte (p, w, j) holds q[16 p + j, 2 w] and, above it,
-                          q[16 p + j, 2 w + 1]; sz [N / 16, K / 32, 2, 16] bfloat16: s, then z) for gemm_bf16
+    pack_bf16(q, s, z)    (w4 [N / 16, K / 2, 16] uint8: byte (p, w, 2 j + c) holds q[16 p + j, 2 w + c] and,
+                          above it, q[16 p + 8 + j, 2 w + c]; sz [N / 16, K / 32, 2, 16] bfloat16: s, then z) for
+                          gemm_bf16: its low nibbles widen to the first 8 outputs' dimension pairs, its high
+                          nibbles to the last 8's, the order vdpbf16ps reads (no shuffle after the decode)
     gemm_bf16(x, w4, sz)  x [T, K] bfloat16 -> y [T, N] bfloat16 = x @ W^T on AVX-512 BF16 builds (`has_bf16`),
                           for wide steps where the dense GEMM is oneDNN's bfloat16 one (no AMX): each block of 32
                           outputs decoded over the whole K into the dense copy's bfloat16 weights (L2), then
@@ -85,8 +87,8 @@ def pack_bf16(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple
     """q [N, K] int 0..15, scale / zero [N, K / 32] (W = (q - 8) scale + zero) -> gemm_bf16's (w4, sz)."""
     n, k = q.shape
     assert fits_bf16(n, k) and scale.shape == zero.shape == (n, k // GROUP), (q.shape, scale.shape)
-    qq = q.to(torch.uint8).view(n // 16, 16, k // 2, 2)
-    w4 = (qq[..., 0] | (qq[..., 1] << 4)).permute(0, 2, 1).contiguous()          # [N / 16, K / 2, 16]
+    qq = q.to(torch.uint8).view(n // 16, 2, 8, k // 2, 2)                      # [P, half, j, w, c]
+    w4 = (qq[:, 0] | (qq[:, 1] << 4)).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 16)   # [P, w, (j, c)]
     s, z = (t.to(torch.bfloat16).view(n // 16, 16, -1) for t in (scale, zero))
     return w4, torch.stack([s, z], dim=1).permute(0, 3, 1, 2).contiguous()     # [N / 16, K / 32, 2, 16]
 

@@ -203,11 +203,46 @@ float row_dot(const W* w, const float* x, int H) {
     return total;
 }
 
+// Sum of e[0, n) in double (each float widened exactly; vector lanes, then their sum).
+double sum_double(const float* e, int n) {
+    int v = 0;
+    double total = 0.0;
+#if defined(__AVX512F__)
+    {
+        __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+        for (; v + 16 <= n; v += 16) {
+            const __m512 f = _mm512_loadu_ps(e + v);
+            a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(f)));
+            a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
+        }
+        total = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+    }
+#elif defined(PREFIXSERVE_AVX2)
+    {
+        __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+        for (; v + 8 <= n; v += 8) {
+            const __m256 f = _mm256_loadu_ps(e + v);
+            a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(f)));
+            a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
+        }
+        alignas(32) double lanes[4];
+        _mm256_store_pd(lanes, _mm256_add_pd(a0, a1));
+        total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    }
+#endif
+    for (; v < n; ++v) total += e[v];
+    return total;
+}
+
+constexpr int SAMPLE_BLOCK = 256;   // row_sample's blocks: their sums find the draw's block, then one block's scan
+
 // One draw from softmax(x / temperature) by inverse CDF: e_v = exp(x_v / temperature - shift) in float32
-// (shift: the row's largest scaled logit), summed in double in vocabulary order; the token is the first v
-// with e_v > 0 whose running sum exceeds u * total, else (rounding) the last v with e_v > 0. A row without a
-// finite maximum (NaN, +inf, every logit -inf) gives its argmax: the sampler reports or masks those rows.
-// e: V floats of scratch.
+// (shift: the row's largest scaled logit), summed in double; the token is the first v with e_v > 0 whose
+// running sum exceeds u * total, else (rounding) the last v with e_v > 0. The sums run a block of 256 at a
+// time (each block's in vector lanes, then the blocks in order), and only the block where the running sum
+// crosses u * total is scanned token by token: the order of additions differs from a plain cumsum by rounding
+// only. A row without a finite maximum (NaN, +inf, every logit -inf) gives its argmax: the sampler reports or
+// masks those rows. e: V floats of scratch.
 int64_t row_sample(const float* x, int V, float temperature, double u, float* e) {
     float mx;
     int64_t arg;
@@ -230,19 +265,30 @@ int64_t row_sample(const float* x, int V, float temperature, double u, float* e)
     }
 #endif
     for (; v < V; ++v) e[v] = std::exp(x[v] / temperature - shift);
+    const int blocks = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    double stack_sums[256];
+    double* sums = blocks <= 256 ? stack_sums : static_cast<double*>(std::malloc(sizeof(double) * blocks));
+    if (sums == nullptr) return arg;
     double total = 0.0;
-    for (v = 0; v < V; ++v) total += e[v];
+    for (int b = 0; b < blocks; ++b) {
+        const int b0 = b * SAMPLE_BLOCK;
+        sums[b] = sum_double(e + b0, std::min(SAMPLE_BLOCK, V - b0));
+        total += sums[b];
+    }
     const double target = u * total;
     double cum = 0.0;
-    int64_t last = arg;
-    for (v = 0; v < V; ++v) {
+    int b = 0;
+    for (; b < blocks && !(cum + sums[b] > target); ++b) cum += sums[b];
+    if (sums != stack_sums) std::free(sums);
+    for (v = b * SAMPLE_BLOCK; v < V; ++v) {               // the crossing's block (and past it, should rounding say so)
         if (e[v] > 0.f) {
             cum += e[v];
-            last = v;
             if (cum > target) return v;
         }
     }
-    return last;
+    for (v = V - 1; v >= 0; --v)
+        if (e[v] > 0.f) return v;
+    return arg;
 }
 
 }  // namespace

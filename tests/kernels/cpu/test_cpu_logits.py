@@ -117,7 +117,7 @@ def _reference_draw(x: torch.Tensor, temperature: float, u: float) -> tuple[int,
     return int(choice), exact
 
 
-@pytest.mark.parametrize("width", [7, 49152, 1001])
+@pytest.mark.parametrize("width", [7, 49152, 1001, 70001])
 def test_row_sample_draws_by_the_cdf(variant: CpuKernels, width: int) -> None:
     x = strided(24, width, seed=width)
     x[3, : width // 2] = float("-inf")                      # masked tokens (a logit bias, a grammar): never drawn
