@@ -307,9 +307,11 @@ class EngineCore:
                 rows += [i] * len(family)
                 targets += family
         if targets:
-            # every row once, in order (a plain decode step): the step's logits as they are, no [N, V] copy
+            # every row once, in order (a plain decode step): the step's logits as they are, no [N, V] copy. They
+            # are inference-mode tensors, which a grammar's mask writes in place: inference mode allows that.
             identity = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
-            self._sample(logits if identity else logits[rows], targets)
+            with torch.inference_mode():
+                self._sample(logits if identity else logits[rows], targets)
             out.sampled = targets
         for group in out.groups:
             if group.beam is not None and not group.finished and group.seqs and \

@@ -12,7 +12,7 @@
 //                 recomputed from the float weight, its rows read in place (torch would gather them first)
 //     row_sample  one draw per row from softmax(x[t] / temperature[t]) by inverse CDF with the row's uniform
 //                 u[t]: what the sampler's torch path does (softmax, a float64 cumsum, two searchsorted) in
-//                 three passes over the row, no [T, V] temporaries (3 against 15-30 ms at 64 rows here)
+//                 two passes over the row and a scan of one block of 256, no [T, V] temporaries
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -16,9 +16,11 @@ from cache) where torch runs logsumexp, argmax and topk as separate passes over 
                       x [T, V] float32, temperature [T] float32 > 0, u [T] float64 in [0, 1) -> [T] int64: one
                       draw per row from softmax(x / temperature) by inverse CDF, as the sampler's torch path
                       (engine/sample/sampler.py): the first token with nonzero probability whose running
-                      sum (float64, vocabulary order) exceeds u x the total; e^x in float32 (the kernels'
-                      exp, ~1 ulp, where torch's softmax has its own), so a u within rounding of a boundary
-                      may pick the neighbour; a row without a finite maximum gives its argmax
+                      sum (float64) exceeds u x the total; e^x in float32 (the kernels' exp, ~1 ulp, where
+                      torch's softmax has its own), the sums a block of 256 tokens at a time in vector lanes
+                      and the blocks in vocabulary order, then the crossing block token by token (another
+                      order of additions than torch's cumsum), so a u within rounding of a boundary may pick
+                      the neighbour; a row without a finite maximum gives its argmax
 
 Each row's result depends on that row only (the batch-invariant mode relies on it).
 """
