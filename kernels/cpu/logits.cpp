@@ -12,7 +12,7 @@
 //                 recomputed from the float weight, its rows read in place (torch would gather them first)
 //     row_sample  one draw per row from softmax(x[t] / temperature[t]) by inverse CDF with the row's uniform
 //                 u[t]: what the sampler's torch path does (softmax, a float64 cumsum, two searchsorted) in
-//                 two passes over the row and a scan of one block of 256, no [T, V] temporaries
+//                 two passes over the row and a scan of one block (256 tokens), no [T, V] temporaries
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -234,12 +234,13 @@ double sum_double(const float* e, int n) {
     return total;
 }
 
-constexpr int SAMPLE_BLOCK = 256;   // row_sample's blocks: their sums find the draw's block, then one block's scan
+constexpr int SAMPLE_BLOCKS = 256;  // row_sample's blocks at most: their sums find the draw's block, then its scan
 
 // One draw from softmax(x / temperature) by inverse CDF: e_v = exp(x_v / temperature - shift) in float32
 // (shift: the row's largest scaled logit), summed in double; the token is the first v with e_v > 0 whose
-// running sum exceeds u * total, else (rounding) the last v with e_v > 0. The sums run a block of 256 at a
-// time (each block's in vector lanes, then the blocks in order), and only the block where the running sum
+// running sum exceeds u * total, else (rounding) the last v with e_v > 0. The sums run a block of 256 tokens at
+// a time (more where V > 65,536: 256 blocks at most; each block's in vector lanes, then the blocks in order), and
+// only the block where the running sum
 // crosses u * total is scanned token by token: the order of additions differs from a plain cumsum by rounding
 // only. A row without a finite maximum (NaN, +inf, every logit -inf) gives its argmax: the sampler reports or
 // masks those rows. e: V floats of scratch.
@@ -265,22 +266,18 @@ int64_t row_sample(const float* x, int V, float temperature, double u, float* e)
     }
 #endif
     for (; v < V; ++v) e[v] = std::exp(x[v] / temperature - shift);
-    const int blocks = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
-    double stack_sums[256];
-    double* sums = blocks <= 256 ? stack_sums : static_cast<double*>(std::malloc(sizeof(double) * blocks));
-    if (sums == nullptr) return arg;
+    const int block = std::max(256, (V + SAMPLE_BLOCKS - 1) / SAMPLE_BLOCKS), blocks = (V + block - 1) / block;
+    double sums[SAMPLE_BLOCKS];
     double total = 0.0;
     for (int b = 0; b < blocks; ++b) {
-        const int b0 = b * SAMPLE_BLOCK;
-        sums[b] = sum_double(e + b0, std::min(SAMPLE_BLOCK, V - b0));
+        sums[b] = sum_double(e + b * block, std::min(block, V - b * block));
         total += sums[b];
     }
     const double target = u * total;
     double cum = 0.0;
     int b = 0;
     for (; b < blocks && !(cum + sums[b] > target); ++b) cum += sums[b];
-    if (sums != stack_sums) std::free(sums);
-    for (v = b * SAMPLE_BLOCK; v < V; ++v) {               // the crossing's block (and past it, should rounding say so)
+    for (v = b * block; v < V; ++v) {               // the crossing's block (and past it, should rounding say so)
         if (e[v] > 0.f) {
             cum += e[v];
             if (cum > target) return v;
