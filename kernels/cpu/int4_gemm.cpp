@@ -238,11 +238,13 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 // high nibbles the last 8's, so the two halves converted to bfloat16 side by side are the words vdpbf16ps reads.
 // (q - 8) s is exact in float32 (a 4-bit integer times an 8-bit significand), so one FMA rounds as the product
 // then the sum do.
-// next_w4 / next_sz: the block this thread decodes next (nullptr: none), prefetched into L2 as this one is
-// decoded (a block's 4-bit weights arrive from memory while this one's rows run, not when its decode starts).
-inline void decode_block_bf16(const uint8_t* w4, const uint16_t* sz, int K, uint32_t* bp, const uint8_t* next_w4,
-                              const uint16_t* next_sz) {  // BC panels
-    const int G = K / GROUP, W = K / 2;
+// prefetch_next: the next block (right after this one in w4 and sz, the one this thread decodes next) is prefetched
+// into L2 as this one is decoded (its 4-bit weights arrive from memory while this one's rows run, not when its
+// decode starts).
+inline void decode_block_bf16(const uint8_t* w4, const uint16_t* sz, int K, uint32_t* bp, bool prefetch_next) {
+    const int G = K / GROUP, W = K / 2;                                                      // BC panels
+    const uint8_t* next_w4 = w4 + static_cast<int64_t>(BC) * W * 16;
+    const uint16_t* next_sz = sz + static_cast<int64_t>(BC) * G * 32;
     const __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i last = _mm512_add_epi32(first, _mm512_set1_epi32(8));
     const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
@@ -256,7 +258,7 @@ inline void decode_block_bf16(const uint8_t* w4, const uint16_t* sz, int K, uint
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(zp + g * 32 + 16))), 16));
             const __m512 s_lo = _mm512_permutexvar_ps(first, s), z_lo = _mm512_permutexvar_ps(first, z);
             const __m512 s_hi = _mm512_permutexvar_ps(last, s), z_hi = _mm512_permutexvar_ps(last, z);
-            if (next_w4 != nullptr) {                 // the next block's bytes at the same place: a group's 256 B
+            if (prefetch_next) {                 // the next block's bytes at the same place: a group's 256 B
                 const uint8_t* nw = next_w4 + static_cast<int64_t>(c) * W * 16 + g * (GROUP / 2) * 16;
                 for (int line = 0; line < GROUP / 2 * 16; line += 64) _mm_prefetch(reinterpret_cast<const char*>(nw + line), _MM_HINT_T1);
                 _mm_prefetch(reinterpret_cast<const char*>(next_sz + static_cast<int64_t>(c) * G * 32 + g * 32), _MM_HINT_T1);
@@ -465,10 +467,8 @@ int prefixserve_int4_gemm_bf16(const uint16_t* x, int64_t x_stride, const uint8_
         #pragma omp for schedule(static)
         for (int b = 0; b < blocks; ++b) {           // static: a thread's blocks are consecutive, b + 1 its next
             if (bp == nullptr) continue;
-            const bool next = b + 1 < blocks;
             decode_block_bf16(w4 + static_cast<int64_t>(BC * b) * W * 16, sz + static_cast<int64_t>(BC * b) * G * 32, K,
-                              bp, next ? w4 + static_cast<int64_t>(BC * (b + 1)) * W * 16 : nullptr,
-                              next ? sz + static_cast<int64_t>(BC * (b + 1)) * G * 32 : nullptr);
+                              bp, b + 1 < blocks);
             int t = 0;
             for (; t + BR <= T; t += BR)
                 micro_bf16<BR>(x + t * x_stride, x_stride, bp, W, y + t * y_stride + 16 * BC * b, y_stride);

@@ -188,7 +188,7 @@ def test_a_step_with_decodes_admits_new_prompts_up_to_the_cost_cap_at_least_one(
                              (later[1].request_id, 6, True)]
     big = seq(30, first=900)                                         # alone it passes the cap: it comes in whole
     s.add(big)
-    assert [x.seq.request_id for x in step(s).scheduled if x.num_new > 1] == [later[2].request_id]
+    assert [rid for rid, _ in prompts(step(s))] == [later[2].request_id]
     assert prompts(step(s)) == [(big.request_id, 30)]
 
 
@@ -244,7 +244,7 @@ def test_the_cost_of_a_prompt_counts_its_attention_over_the_cached_prefix() -> N
     for i, q in enumerate((c, d)):
         q.token_ids[16:] = [500 + 10 * i + j for j in range(4)]
         s2.add(q)
-    assert [x.seq.request_id for x in step(s2).scheduled if x.num_new > 1] == [c.request_id, d.request_id]
+    assert [rid for rid, _ in prompts(step(s2))] == [c.request_id, d.request_id]
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
