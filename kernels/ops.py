@@ -113,12 +113,14 @@ class Ops:
         # traced graph (a ctypes call), not in the batch-invariant mode (its int4 kernel is torch's, tested so)
         self._int4 = None if self.cpu is None or config.traced or config.batch_invariant or \
             qg.DENSE_DTYPE != torch.float32 else self.cpu.int4
-        # the wide steps' int4 x bfloat16 GEMM (kernels/cpu/int4_gemm.py gemm_bf16), where the dense GEMM is oneDNN's
-        # bfloat16 one and the build has AVX-512 BF16: not traced, not batch-invariant (as above), and not on a CPU
-        # with AMX, whose tile units oneDNN's GEMM uses (several times vdpbf16ps' rate; not measured here)
+        # the int4 x bfloat16 GEMM (kernels/cpu/int4_gemm.py gemm_bf16), where the dense GEMM is oneDNN's bfloat16
+        # one and the build has AVX-512 BF16: not traced, not batch-invariant (as above)
         self._int4_bf16 = None if self.cpu is None or config.traced or config.batch_invariant or \
-            qg.DENSE_DTYPE != torch.bfloat16 or not self.cpu.int4.has_bf16 or "amx_bf16" in cpu_flags() \
-            else self.cpu.int4
+            qg.DENSE_DTYPE != torch.bfloat16 or not self.cpu.int4.has_bf16 else self.cpu.int4
+        # on a CPU with AMX, oneDNN's bfloat16 GEMM runs on the tile units: it keeps the prompt chunks and the decode
+        # steps from this many rows, and gemm_bf16 serves the narrower decode steps only (AMX_DENSE_FROM_ROWS)
+        self._amx_dense_from: int | None = qg.AMX_DENSE_FROM_ROWS \
+            if self._int4_bf16 is not None and "amx_bf16" in cpu_flags() else None
         self.quantized_gemms = on_cpu            # torch's int4 / int8 kernels are CPU kernels
         ops: dict[str, str] = {}
         variant = f"c++ {self.cpu.variant}" if self.cpu is not None else "torch"
@@ -136,8 +138,11 @@ class Ops:
             ops["elementwise (mixed precision)"] = ops["logits reductions"] = variant
             ops["paged decode"] = "triton" if self.device.type == "cuda" else "torch"
         if on_cpu:
-            wide_int4 = (f"c++ int4 x bf16 gemm from {self.wide_rows} decode rows (GGUF int4 layers); other layers: "
-                         if self._int4_bf16 is not None else "")
+            wide_int4 = ("" if self._int4_bf16 is None else
+                         f"c++ int4 x bf16 gemm from {self.wide_rows} decode rows (GGUF int4 layers); other layers: "
+                         if self._amx_dense_from is None else
+                         f"c++ int4 x bf16 gemm for decode steps below {self._amx_dense_from} rows, bfloat16 "
+                         "(oneDNN, AMX) for prompt chunks and wider steps (GGUF int4 layers); other layers: ")
             ops["quantized gemm"] = ("int4 / int8 kernel at every row count (batch-invariant)"
                                      if config.batch_invariant else
                                      f"{wide_int4}{'c++ int4 gemm (int4 layers) or ' if self._int4 is not None else ''}"
@@ -153,8 +158,10 @@ class Ops:
                     head = f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} GEMM, top {BF16_HEAD_REFINE} exact"
                 ops[f"output layer, from {self.head_wide_rows} rows"] = head
             if self._int4_bf16 is not None and self._fused is not None and self.cpu is not None:
-                ops["decoder layers, wide steps"] = (f"c++ {self.cpu.variant} halves around the attention "
-                                                     "(GGUF int4 layers: kernels/cpu/layers.py)")
+                steps = ("wide steps" if self._amx_dense_from is None else
+                         f"decode steps below {self._amx_dense_from} rows")
+                ops[f"decoder layers, {steps}"] = (f"c++ {self.cpu.variant} halves around the attention "
+                                                   "(GGUF int4 layers: kernels/cpu/layers.py)")
         self.report = KernelReport(str(self.device), self.cpu.variant if self.cpu is not None else None, reason, ops,
                                    config.batch_invariant)
 
@@ -174,9 +181,27 @@ class Ops:
     # -- elementwise ------------------------------------------------------------------------------------------------
     @property
     def wide_int4_bf16(self) -> bool:
-        """Whether the wide steps (prompt chunks, decode steps of `wide_rows` rows or more) of a GGUF int4 layer
-        run the C++ int4 x bfloat16 GEMM (its weights packed by engine/models/quant.py for it)."""
+        """Whether a GGUF int4 layer's steps run the C++ int4 x bfloat16 GEMM (its weights packed by
+        engine/models/quant.py for it): its wide steps (prompt chunks, decode steps of `wide_rows` rows or more), or
+        on a CPU with AMX its narrow decode steps (`bf16_gemm_step`)."""
         return self._int4_bf16 is not None
+
+    @property
+    def int4_bf16_keeps_dense(self) -> bool:
+        """Whether a GGUF int4 layer that gemm_bf16 serves keeps its dense copy too: on a CPU with AMX, whose
+        prompt chunks and wide decode steps read it (oneDNN's GEMM on the tile units)."""
+        return self._amx_dense_from is not None
+
+    def bf16_gemm_step(self, prefill: bool, rows: int) -> bool:
+        """Whether a step's GGUF int4 projections take gemm_bf16: every step from `wide_rows` rows, prompt chunks
+        included (AVX-512 BF16 without AMX: it beats oneDNN's GEMM there at every width, engine/models/quant.py);
+        on a CPU with AMX, the decode steps below AMX_DENSE_FROM_ROWS rows only (where the alternative is torch's
+        int4 kernel op by op, no tile units either: kernels/quant_gemm.py)."""
+        if self._int4_bf16 is None:
+            return False
+        if self._amx_dense_from is not None:
+            return not prefill and rows < self._amx_dense_from
+        return prefill or rows >= self.wide_rows
 
     @property
     def wide_rows(self) -> int:
@@ -200,11 +225,11 @@ class Ops:
 
     def layer_halves(self, prefill: bool, rows: int, act: torch.dtype) -> LayerHalves | None:
         """The C++ halves of a decoder layer (kernels/cpu/layers.py) for a step, where its projections take gemm_bf16
-        (a wide step, bfloat16 between the matmuls) and the fused kernels run; None: op by op. Whether the model's
-        layers fit is the model's to ask (`LayerHalves.bind`)."""
-        if self._int4_bf16 is None or self._fused is None or self.cpu is None or act != torch.bfloat16:
+        (`bf16_gemm_step`, bfloat16 between the matmuls) and the fused kernels run; None: op by op. Whether the
+        model's layers fit is the model's to ask (`LayerHalves.bind`)."""
+        if self._fused is None or self.cpu is None or act != torch.bfloat16:
             return None
-        return self.cpu.layers if prefill or rows >= self.wide_rows else None
+        return self.cpu.layers if self.bf16_gemm_step(prefill, rows) else None
 
     def step_act(self, rows: int, prefill: bool) -> torch.dtype:
         """The activations between a mixed step's matmuls: float32 where its quantized layers take the dense GEMM
@@ -282,7 +307,9 @@ class Ops:
         AMX), such a layer's wide steps, prompt chunks included, take our int4 x bfloat16 GEMM (`gemm_bf16`: the
         dense copy's weights decoded a block at a time, none kept), its decode steps too at every row count
         (BF16_GEMM_FROM_ROWS: with the layers in one C++ call they beat the int4 kernel op by op,
-        kernels/quant_gemm.py); in the batch-invariant mode, torch's int4 / int8 kernel always.
+        kernels/quant_gemm.py); on a CPU with AMX, gemm_bf16 takes such a layer's narrow decode steps only and
+        oneDNN's GEMM on the tile units the rest (`bf16_gemm_step`); in the batch-invariant mode, torch's
+        int4 / int8 kernel always.
 
         NOTE: why per step and not per row count alone: a prompt's tokens must go through the same kernel
         whether they are computed in one prefill or in two (a registered prefix, then the request's own
@@ -291,8 +318,8 @@ class Ops:
         if kind is None:
             return F.linear(x, layer.weight, layer.bias)
         bf16_gemm = self._int4_bf16 if kind == "int4" and layer.w4.numel() else None
-        wide = prefill or x.shape[0] >= (self.wide_rows if bf16_gemm is not None else qg.DENSE_FROM_ROWS)
-        if bf16_gemm is not None and wide:
+        wide = prefill or x.shape[0] >= qg.DENSE_FROM_ROWS
+        if bf16_gemm is not None and self.bf16_gemm_step(prefill, x.shape[0]):
             # a wide step: the dense copy's bfloat16 weights decoded from 4 bits a block at a time (a
             # third of its bytes from memory; kernels/cpu/int4_gemm.py gemm_bf16, measured in engine/models/quant.py)
             y = bf16_gemm.gemm_bf16(x.to(torch.bfloat16).contiguous(), layer.w4, layer.sz4)

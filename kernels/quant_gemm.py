@@ -50,6 +50,16 @@ DENSE_FROM_ROWS = 10 if ONEDNN_BF16 else 16
 # 1.50 / 1.54 / 1.81 / 2.20 ms at 1 / 2 / 4 / 5 / 8 rows against 1.17 / 1.20 / 1.69 / 3.13 / 3.32 ms
 # (kernels/ops.py Ops.wide_rows, Ops.head_wide_rows).
 BF16_GEMM_FROM_ROWS = 1
+# On a CPU with AMX, oneDNN's bfloat16 GEMM runs on the tile units, which gemm_bf16 (vdpbf16ps) does not use: prompt
+# chunks and decode steps of this many rows or more keep it (the dense copy), and gemm_bf16 with the layers in one
+# C++ call takes the narrower decode steps, whose alternative was torch's int4 kernel op by op (no tile units
+# either: the AMX Xeon's profile in issue 36 found it 40% of the engine thread in the shared-prefix load). On a
+# Zen 4 given AMX's flags (this dispatch, its own kernels), in process, greedy decode after a 64-token prompt: 1 / 4
+# / 8 streams at 127.9 / 400.3 / 579.1 tok/s against 93.9 / 268.2 / 336.8 with torch's int4 kernel op by op (medians
+# of four, alternating). The crossover is not measured on an AMX CPU (none here): the dense GEMM's,
+# DENSE_FROM_ROWS, where a step starts to be compute-bound rather than bound by the weights' bytes
+# (Ops.bf16_gemm_step).
+AMX_DENSE_FROM_ROWS = DENSE_FROM_ROWS
 INT8_HEAD_FROM_ROWS = 4
 
 

@@ -22,8 +22,7 @@ from run to run); on an AVX2 CPU, whose bfloat16 GEMM is emulated (8x slower tha
 is float32 and the crossover 16 rows (kernels/quant_gemm.py, DENSE_DTYPE and DENSE_FROM_ROWS); there a GGUF
 Q4 layer's wide decode steps take our own int4 GEMM instead (kernels/cpu/int4_gemm.py gemm_wide: a panel of
 the 4-bit weights decoded to float32 in L1 for all of a step's rows, 1.2x oneDNN's float32 GEMM at 64 rows
-with the weights cold), and only prompt chunks read the dense copy. On an AVX-512 BF16 CPU without AMX (with
-AMX oneDNN's GEMM runs on its tile units and stays) a GGUF Q4 layer's
+with the weights cold), and only prompt chunks read the dense copy. On an AVX-512 BF16 CPU without AMX a GGUF Q4 layer's
 wide steps, prompt chunks included, and every decode step whatever its rows (kernels/quant_gemm.py
 BF16_GEMM_FROM_ROWS) take kernels/cpu/int4_gemm.py gemm_bf16 instead of oneDNN: each block of 32
 outputs decoded from the 4-bit values into exactly the dense copy's bfloat16 weights (in L2), then vdpbf16ps over
@@ -31,7 +30,10 @@ all of the step's rows; the weights come from memory at a third of the bytes (4 
 Measured on a Zen 4 over SmolLM2's 120 projections, weights cold, the two alternating: 14.0 / 41.5 / 68.7 /
 126.5 / 250.2 / 1,023 ms at 16 / 64 / 128 / 256 / 512 / 2,048 rows against oneDNN's 19.2 / 49.2 / 77.6 / 134.3
 / 261.9 / 1,069 (products and weights the same; sums in another order: outputs within an ulp of bfloat16).
-Such a layer keeps no dense copy. Every other quantized layer keeps its weight dense (bfloat16, 2 bytes a
+Such a layer keeps no dense copy. On a CPU with AMX, oneDNN's GEMM runs on the tile units and keeps a GGUF Q4
+layer's prompt chunks and its decode steps from AMX_DENSE_FROM_ROWS rows (the layer keeps its dense copy), and
+gemm_bf16 takes its narrower decode steps, in place of torch's int4 kernel (kernels/ops.py Ops.bf16_gemm_step).
+Every other quantized layer keeps its weight dense (bfloat16, 2 bytes a
 parameter: 212 MB for SmolLM2's layers; float32 on AVX2, 424 MB), reordered once into oneDNN's blocked layout;
 the head keeps an int8 copy instead (28 MB, Int8ActHead), or a dense one where oneDNN's int8 kernel is missing.
 (8-bit activations would be twice as fast again on VNNI, but cost too much accuracy on this model:
@@ -89,7 +91,8 @@ class Int4Linear(nn.Module):
         # where the dense GEMM is bfloat16 (AVX-512 BF16), a GGUF Q4 layer's wide steps (prompt chunks and decode
         # steps of BF16_GEMM_FROM_ROWS rows or more) run the int4 x bfloat16 GEMM (int4_gemm.py gemm_bf16): the same
         # 4-bit values and bfloat16 scales, decoded into exactly the dense copy's weights; that copy is then never read
-        # and not kept (212 MB for SmolLM2)
+        # and not kept (212 MB for SmolLM2), except on a CPU with AMX, where gemm_bf16 takes the narrow decode steps
+        # and the dense copy the rest (oneDNN's GEMM on the tile units: kernels/ops.py Ops.bf16_gemm_step)
         self.w4: torch.Tensor
         self.sz4: torch.Tensor
         if self.dense_is_int4 and self.ops.wide_int4_bf16 and int4_gemm.fits_bf16(self.out_features, self.in_features):
@@ -98,7 +101,7 @@ class Int4Linear(nn.Module):
             w4, sz4 = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.bfloat16)
         self.register_buffer("w4", w4)
         self.register_buffer("sz4", sz4)
-        if w4.numel():
+        if w4.numel() and not self.ops.int4_bf16_keeps_dense:
             self.register_buffer("dense", torch.empty(0, dtype=DENSE_DTYPE))
         else:
             if dense is None:    # (q - 8) * scale + zero

@@ -23,9 +23,9 @@ computing while the other waited at the next parallel region for it. With the ha
 (medians of six pairs, alternating; the machine moved single runs by up to 20%).
 
 Where it applies (`LayerHalves.bind`): every layer's four projections int4 with gemm_bf16's packed weights (a
-GGUF Q4 model on an AVX-512 BF16 CPU without AMX: quant.py), no biases, float32 norm weights; and the step wide
-(a prompt chunk, or `Ops.wide_rows` rows and more: the steps whose projections take gemm_bf16) with bfloat16
-between its matmuls. Anything else keeps the op-by-op path.
+GGUF Q4 model on an AVX-512 BF16 CPU: quant.py), no biases, float32 norm weights; and the step one whose
+projections take gemm_bf16 (`Ops.bf16_gemm_step`: a prompt chunk or any decode step; on a CPU with AMX, decode steps
+below AMX_DENSE_FROM_ROWS rows only) with bfloat16 between its matmuls. Anything else keeps the op-by-op path.
 """
 from __future__ import annotations
 

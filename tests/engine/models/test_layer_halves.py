@@ -14,7 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from kernels.cpu.layers import LayerHalves
 from kernels.ops import Ops, default_ops
-from kernels.quant_gemm import BF16_GEMM_FROM_ROWS, INT8_HEAD_FROM_ROWS
+from kernels.quant_gemm import AMX_DENSE_FROM_ROWS, BF16_GEMM_FROM_ROWS, INT8_HEAD_FROM_ROWS
 
 
 def answers(llm: LLM, prompts: list[list[int]]) -> list[Any]:
@@ -80,3 +80,52 @@ def test_a_model_whose_layers_do_not_all_take_gemm_bf16_does_not_fit(real_model_
     assert o.w4.numel()
     model.layers[5].self_attn.o_proj = Int4Linear.from_float(torch.randn(576, 576) * 0.01, None, ops)
     assert LayerHalves.bind(model) is None
+
+
+def test_on_a_cpu_with_amx_only_narrow_decode_steps_take_the_halves(real_model_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU has AMX (its flags as such a CPU gives them; the kernels are this CPU's), oneDNN's GEMM keeps
+    the prompt chunks and the decode steps of AMX_DENSE_FROM_ROWS rows or more, op by op, and the narrower decode
+    steps take gemm_bf16 in one C++ call; the same tokens and log-probabilities, bit for bit, as the op-by-op path
+    (whose narrow steps take gemm_bf16 too)."""
+    import kernels.ops as ops_module
+    if default_ops().layer_halves(False, 1, torch.bfloat16) is None:
+        pytest.skip("no C++ halves on this CPU")
+    flags = ops_module.cpu_flags()
+    monkeypatch.setattr(ops_module, "cpu_flags", lambda: flags | {"amx_tile", "amx_bf16", "amx_int8"})
+    rng = random.Random(11)
+    # 14 prompts, 12 tokens out each: decode steps of 14 rows down to 1 as they finish (their lengths differ)
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 200))] for _ in range(14)]
+    llm = LLM(str(real_model_path), max_model_len=1024, num_kv_blocks=512, enable_prefix_caching=False,
+              max_num_batched_tokens=512)
+    ops = llm.engine.core.ops
+    assert ops.int4_bf16_keeps_dense and ops.layer_halves(False, AMX_DENSE_FROM_ROWS - 1, torch.bfloat16) is not None
+    calls: list[tuple[str, int]] = []
+    real_pre, real_decode = LayerHalves.pre, LayerHalves.decode_layers
+
+    def pre(self: LayerHalves, s: Any, *a: Any) -> Any:
+        calls.append(("halves", s.x.shape[0]))
+        return real_pre(self, s, *a)
+
+    def decode_layers(self: LayerHalves, s: Any, *a: Any) -> Any:
+        calls.append(("decode", s.x.shape[0]))
+        return real_decode(self, s, *a)
+
+    monkeypatch.setattr(LayerHalves, "pre", pre)
+    monkeypatch.setattr(LayerHalves, "decode_layers", decode_layers)
+    steps: list[int] = []
+    real_execute = llm.engine.core.runner.execute
+
+    def execute(scheduled: Any, *a: Any, **k: Any) -> Any:
+        if all(s.num_new == 1 for s in scheduled):
+            steps.append(len(scheduled))
+        return real_execute(scheduled, *a, **k)
+
+    monkeypatch.setattr(llm.engine.core.runner, "execute", execute)
+    fast = answers(llm, prompts)
+    assert {kind for kind, _ in calls} == {"decode"}                 # no prompt chunk, no wide step: oneDNN's
+    assert sorted(rows for _, rows in calls) == sorted(r for r in steps if r < AMX_DENSE_FROM_ROWS)
+    assert max(steps) >= AMX_DENSE_FROM_ROWS and min(steps) == 1
+    monkeypatch.setattr(Ops, "layer_halves", lambda self, *a: None)
+    calls.clear()
+    assert answers(llm, prompts) == fast and not calls

@@ -194,18 +194,36 @@ def test_wide_steps_of_gguf_q4_layers_run_the_int4_bf16_gemm_and_keep_no_dense_c
     assert rel_err(ops.linear(kept, x, prefill=False).float(), x.float() @ w.T + b) < 2e-2
 
 
-def test_a_cpu_with_amx_keeps_onednns_gemm_for_wide_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """gemm_bf16 beats oneDNN's AVX-512 BF16 GEMM, not its AMX one: where the CPU has AMX, a GGUF Q4 layer's wide
-    steps stay oneDNN's (the layer keeps its dense copy)."""
+def amx_ops(monkeypatch: pytest.MonkeyPatch) -> Ops:
+    """The op layer as a CPU with AMX would make it: the same kernels as here, chosen by AMX's rules."""
+    import kernels.ops as ops_module
+    config, flags = default_ops().config, ops_module.cpu_flags()      # the cached default made before the patch
+    monkeypatch.setattr(ops_module, "cpu_flags", lambda: flags | {"amx_tile", "amx_bf16", "amx_int8"})
+    return Ops(config)
+
+
+def test_a_cpu_with_amx_keeps_onednns_gemm_for_wide_steps_and_gemm_bf16_for_narrow_decode_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """gemm_bf16 beats oneDNN's AVX-512 BF16 GEMM, not (by design) its AMX one: where the CPU has AMX, a GGUF Q4
+    layer's prompt chunks and decode steps of AMX_DENSE_FROM_ROWS rows or more take oneDNN's GEMM on its dense
+    copy, and its narrower decode steps gemm_bf16 (in place of torch's int4 kernel): each path's bits exactly."""
     if not default_ops().wide_int4_bf16:
         pytest.skip("gemm_bf16 does not serve on this CPU")
-    import kernels.ops as ops_module
-    flags = ops_module.cpu_flags()
-    monkeypatch.setattr(ops_module, "cpu_flags", lambda: flags | {"amx_tile", "amx_bf16", "amx_int8"})
-    ops = Ops(default_ops().config)
-    assert not ops.wide_int4_bf16
-    layer, _ = gguf_q4_layer(ops, seed=5)
-    assert layer.w4.numel() == 0 and layer.dense.numel() == 96 * 128
+    ops = amx_ops(monkeypatch)
+    assert ops.wide_int4_bf16 and ops.int4_bf16_keeps_dense and qg.AMX_DENSE_FROM_ROWS == DENSE_FROM_ROWS
+    layer, b = gguf_q4_layer(ops, seed=5)
+    assert layer.w4.numel() and layer.dense.numel() == 96 * 128       # both: the narrow steps' and the wide ones'
+    for rows, prefill in ((1, False), (DENSE_FROM_ROWS - 1, False), (DENSE_FROM_ROWS, False), (64, False),
+                          (1, True), (3, True), (64, True)):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        bf16 = not prefill and rows < DENSE_FROM_ROWS
+        assert ops.bf16_gemm_step(prefill, rows) == bf16
+        assert (ops.layer_halves(prefill, rows, torch.bfloat16) is not None) == (bf16 and ops._fused is not None)
+        expected = (ops._int4_bf16.gemm_bf16(x, layer.w4, layer.sz4).float() + b).to(torch.bfloat16) if bf16 else \
+            qg.dense_mm(x, layer.dense, b)
+        assert torch.equal(ops.linear(layer, x, prefill=prefill), expected), (rows, prefill)
+    quantized = ops.report.ops["quantized gemm"]
+    assert f"for decode steps below {DENSE_FROM_ROWS} rows" in quantized and "AMX" in quantized
 
 
 def test_quantized_answers_do_not_depend_on_how_much_of_the_prompt_was_cached(tiny_llama_dir: Path) -> None:
