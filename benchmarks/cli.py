@@ -3,11 +3,11 @@
     prefixserve bench memory --quick
     prefixserve bench prefix --quick --out /tmp/results
 
-Names: throughput, memory, prefix, sharing, structured, vattention, decode, threads (benchmarks/offline/: the engine
-in this process), routing, peers, isolation, fairness, tier (benchmarks/served/: servers over HTTP); each
-<name>.md/.png/.json into --out and prints `RESULT {json}` last. Delegated, with options of their own: serving
-(benchmarks/served/serving.py) and kernels (benchmarks/offline/kernels.py: the Triton kernels on CUDA;
-`--device cpu`: the C++ CPU kernels).
+Names: throughput, memory, prefix, sharing, structured, vattention, decode, threads, gemm (benchmarks/offline/: the
+engine or its kernels in this process), routing, peers, isolation, fairness, tier (benchmarks/served/: servers
+over HTTP); each <name>.md/.png/.json into --out and prints `RESULT {json}` last. Delegated, with options of
+their own: serving (benchmarks/served/serving.py) and kernels (benchmarks/offline/kernels.py: the Triton kernels on
+CUDA; `--device cpu`: the C++ CPU kernels).
 """
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-OFFLINE = ("throughput", "memory", "prefix", "sharing", "structured", "vattention", "decode", "threads", "kernels")
+OFFLINE = ("throughput", "memory", "prefix", "sharing", "structured", "vattention", "decode", "threads", "kernels",
+           "gemm")
 SERVED = ("routing", "peers", "serving", "isolation", "fairness", "tier")
 OURS = ("throughput", "memory", "prefix", "sharing", "structured", "routing", "vattention", "decode", "threads",
-        "peers", "isolation", "fairness", "tier")
+        "gemm", "peers", "isolation", "fairness", "tier")
 DELEGATED = ("serving", "kernels")
 
 

@@ -257,3 +257,34 @@ def test_isolation_auc_is_mann_whitney() -> None:
     assert roc_auc([2.0, 0.0], [1.0]) == 0.5
     a, b = prompt(0, 1234, 1), prompt(0, 5678, 1)
     assert a.startswith("PIN 1234") and a[8:] == b[8:]             # the secret first, the rest the same
+
+
+# -- gemm -----------------------------------------------------------------------------------------
+def test_gemm_crossovers_by_hand() -> None:
+    from benchmarks.offline.gemm import crossovers
+    ms = {"a": [1.0, 2.0, 4.0], "b": [3.0, 2.5, 3.0]}
+    assert crossovers([1, 8, 64], ms) == ["b overtakes a between 8 and 64 rows"]
+    assert crossovers([1, 8], {"a": [1.0, 2.0], "b": [3.0, 3.0]}) == []
+
+
+def test_gemm_bench_through_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every path timed at each row count, the dispatch's choice as the op layer makes it, oneDNN's kernel named."""
+    from kernels.ops import default_ops
+    rc = cli.main(["gemm", "--rows", "1,12", "--reps", "1", "--layers", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    res = result_line(capsys.readouterr().out)
+    assert res["rows"] == [1, 12] and {"int4", "dense"} <= set(res["ms"])
+    assert all(len(v) == 2 and min(v) > 0 for v in res["ms"].values())
+    ops = default_ops()
+    bf16 = [p for p in res["ms"] if p.startswith("gemm_bf16")]
+    assert bool(bf16) == ops.wide_int4_bf16
+    for r in ("1", "12"):
+        assert res["fastest"][r] in res["ms"]
+        expected = "gemm_bf16" if ops.bf16_gemm_step(False, int(r)) else "dense" if int(r) >= 10 else "int4"
+        assert res["dispatched"][r].startswith(expected) or (expected == "int4" and "int4" in res["dispatched"][r])
+    from kernels import quant_gemm as qg
+    saved = json.loads((tmp_path / "gemm.json").read_text())
+    if qg.ONEDNN:                                   # one line a row count, from the ONEDNN_VERBOSE process
+        assert sorted(k.split(" x ")[0] for k in saved["onednn"] if " x 576 x 3072 " in k) == ["1", "12"]
+    assert "ISA:" in (tmp_path / "gemm.md").read_text() and (tmp_path / "gemm.png").stat().st_size > 0
