@@ -22,14 +22,9 @@ def answers(llm: LLM, prompts: list[list[int]]) -> list[Any]:
     return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
 
 
-def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real_model_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    if default_ops().layer_halves(True, 64, torch.bfloat16) is None:
-        pytest.skip("no C++ halves on this CPU: its wide steps do not take gemm_bf16 (no AVX-512 BF16, or AMX)")
-    rng = random.Random(7)
-    # 14 prompts of 30-260 tokens: chunks of a 512-token budget, steps mixing chunks and decodes, wide decode
-    # steps, down to one sequence left as the longest finish last (every decode step is wide where gemm_bf16 serves)
-    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 260))] for _ in range(14)]
+def record_halves(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """("halves", rows) for each call of a layer's first half (prompt and mixed steps), ("decode", rows) for each
+    one-call decode step, appended as the engine makes them."""
     calls: list[tuple[str, int]] = []
     real_pre, real_decode = LayerHalves.pre, LayerHalves.decode_layers
 
@@ -43,6 +38,18 @@ def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real
 
     monkeypatch.setattr(LayerHalves, "pre", pre)
     monkeypatch.setattr(LayerHalves, "decode_layers", decode_layers)
+    return calls
+
+
+def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real_model_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if default_ops().layer_halves(True, 64, torch.bfloat16) is None:
+        pytest.skip("no C++ halves on this CPU: its wide steps do not take gemm_bf16 (no AVX-512 BF16, or AMX)")
+    rng = random.Random(7)
+    # 14 prompts of 30-260 tokens: chunks of a 512-token budget, steps mixing chunks and decodes, wide decode
+    # steps, down to one sequence left as the longest finish last (every decode step is wide where gemm_bf16 serves)
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 260))] for _ in range(14)]
+    calls = record_halves(monkeypatch)
     # no prefix cache: the second run computes every prompt as the first did (the same chunks, the same steps)
     llm = LLM(str(real_model_path), max_model_len=1024, num_kv_blocks=512, enable_prefix_caching=False,
               max_num_batched_tokens=512)
@@ -100,19 +107,7 @@ def test_on_a_cpu_with_amx_only_narrow_decode_steps_take_the_halves(real_model_p
               max_num_batched_tokens=512)
     ops = llm.engine.core.ops
     assert ops.int4_bf16_keeps_dense and ops.layer_halves(False, AMX_DENSE_FROM_ROWS - 1, torch.bfloat16) is not None
-    calls: list[tuple[str, int]] = []
-    real_pre, real_decode = LayerHalves.pre, LayerHalves.decode_layers
-
-    def pre(self: LayerHalves, s: Any, *a: Any) -> Any:
-        calls.append(("halves", s.x.shape[0]))
-        return real_pre(self, s, *a)
-
-    def decode_layers(self: LayerHalves, s: Any, *a: Any) -> Any:
-        calls.append(("decode", s.x.shape[0]))
-        return real_decode(self, s, *a)
-
-    monkeypatch.setattr(LayerHalves, "pre", pre)
-    monkeypatch.setattr(LayerHalves, "decode_layers", decode_layers)
+    calls = record_halves(monkeypatch)
     steps: list[int] = []
     real_execute = llm.engine.core.runner.execute
 
