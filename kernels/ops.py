@@ -320,8 +320,8 @@ class Ops:
         bf16_gemm = self._int4_bf16 if kind == "int4" and layer.w4.numel() else None
         wide = prefill or x.shape[0] >= qg.DENSE_FROM_ROWS
         if bf16_gemm is not None and self.bf16_gemm_step(prefill, x.shape[0]):
-            # a wide step: the dense copy's bfloat16 weights decoded from 4 bits a block at a time (a
-            # third of its bytes from memory; kernels/cpu/int4_gemm.py gemm_bf16, measured in engine/models/quant.py)
+            # the dense copy's bfloat16 weights decoded from 4 bits a block at a time (a third of its bytes from
+            # memory; kernels/cpu/int4_gemm.py gemm_bf16, measured in engine/models/quant.py)
             y = bf16_gemm.gemm_bf16(x.to(torch.bfloat16).contiguous(), layer.w4, layer.sz4)
             return y.to(x.dtype) if layer.bias is None else (y.float() + layer.bias.float()).to(x.dtype)
         own = self._int4 if kind == "int4" and layer.q8.numel() else None
