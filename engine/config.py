@@ -73,6 +73,12 @@ class EngineConfig:
     cpu_kernels: str = knob("auto", "which build of the C++ CPU kernels runs: auto (the best this CPU has, "
                                     "chosen from its flags), none (torch's ops only), or a variant by name; a "
                                     "variant this CPU lacks stops the server at start", CPU_KERNELS)
+    # (the default is kernels/quant_gemm.py AMX_DENSE_FROM_ROWS, written out: this module imports no torch)
+    amx_dense_from_rows: int = knob(10, "on a CPU with AMX: the decode rows from which a GGUF 4-bit model's steps "
+                                        "take oneDNN's GEMM on the tile units instead of our int4 x bfloat16 GEMM "
+                                        "(prompt chunks always do; kernels/quant_gemm.py AMX_DENSE_FROM_ROWS: not "
+                                        "measured on AMX yet, `prefixserve bench gemm` measures it); no effect "
+                                        "without AMX")
     batch_invariant: bool = knob(False, "a request's tokens and logprobs do not depend on its batch, chunking or the "
                                         "prefix cache: one GEMM kernel for every step, fixed decode splits, no "
                                         "cascade, one attention kernel for prompt and generated tokens (slower; CPU "
@@ -165,6 +171,7 @@ class EngineConfig:
             (not self.compile_decode or self.device == "cpu",
              "compile_decode runs on the CPU only for now (CUDA graphs are not built yet)"),
             (self.cpu_kernels in CPU_KERNELS, f"cpu_kernels must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}"),
+            (self.amx_dense_from_rows >= 1, f"amx_dense_from_rows must be >= 1, got {self.amx_dense_from_rows}"),
             (not self.batch_invariant or self.device == "cpu",
              "batch_invariant runs on the CPU only for now (the Triton kernels' splits follow the batch)"),
             (not self.batch_invariant or self.cpu_kernels != "none",

@@ -78,7 +78,7 @@ class EngineCore:
                                            config.batch_invariant, torch.set_num_threads)
         # The op layer: which kernels run is decided here, once (and logged: KernelReport)
         self.ops = Ops(KernelConfig(config.device, config.cpu_kernels, config.batch_invariant,
-                                    traced=config.compile_decode))
+                                    traced=config.compile_decode, amx_dense_from_rows=config.amx_dense_from_rows))
         for line in self.ops.report.lines():
             log.info("kernels: %s", line)
         if loaded is None:

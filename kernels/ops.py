@@ -59,6 +59,8 @@ class KernelConfig:
     cpu_kernels: str = "auto"     # the C++ build to run: auto (the best the CPU has), none, or a variant's name
     batch_invariant: bool = False
     traced: bool = False          # the decode step's layers run in a torch.compile graph: elementwise ops in torch
+    # with AMX: the decode rows from which GGUF 4-bit layers take oneDNN's GEMM, not gemm_bf16 (Ops.bf16_gemm_step)
+    amx_dense_from_rows: int = qg.AMX_DENSE_FROM_ROWS
 
 
 @dataclass
@@ -118,8 +120,8 @@ class Ops:
         self._int4_bf16 = None if self.cpu is None or config.traced or config.batch_invariant or \
             qg.DENSE_DTYPE != torch.bfloat16 or not self.cpu.int4.has_bf16 else self.cpu.int4
         # on a CPU with AMX, oneDNN's bfloat16 GEMM runs on the tile units: it keeps the prompt chunks and the decode
-        # steps from this many rows, and gemm_bf16 serves the narrower decode steps only (AMX_DENSE_FROM_ROWS)
-        self._amx_dense_from: int | None = qg.AMX_DENSE_FROM_ROWS \
+        # steps from this many rows, and gemm_bf16 serves the narrower decode steps only (--amx-dense-from-rows)
+        self._amx_dense_from: int | None = config.amx_dense_from_rows \
             if self._int4_bf16 is not None and "amx_bf16" in cpu_flags() else None
         self.quantized_gemms = on_cpu            # torch's int4 / int8 kernels are CPU kernels
         ops: dict[str, str] = {}

@@ -228,6 +228,38 @@ def test_a_cpu_with_amx_keeps_onednns_gemm_for_wide_steps_and_gemm_bf16_for_narr
     assert f"for decode steps below {DENSE_FROM_ROWS} rows" in quantized and "AMX" in quantized
 
 
+def test_amx_dense_from_rows_moves_the_crossover_and_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--amx-dense-from-rows (PREFIXSERVE_AMX_DENSE_FROM_ROWS) sets where an AMX CPU's decode steps leave gemm_bf16
+    for oneDNN's GEMM: its default is quant_gemm's AMX_DENSE_FROM_ROWS; below 1 the config refuses it; without AMX
+    it changes nothing."""
+    import argparse
+    from dataclasses import replace
+
+    from engine.config import EngineConfig
+    from service.flags import add_flags, values
+    assert EngineConfig().amx_dense_from_rows == qg.AMX_DENSE_FROM_ROWS
+    with pytest.raises(ValueError, match="amx_dense_from_rows must be >= 1"):
+        EngineConfig(amx_dense_from_rows=0)
+    if not default_ops().wide_int4_bf16:
+        pytest.skip("gemm_bf16 does not serve on this CPU")
+    if not default_ops().int4_bf16_keeps_dense:                 # no AMX here: every decode step stays gemm_bf16
+        plain = Ops(replace(default_ops().config, amx_dense_from_rows=4))
+        assert plain.bf16_gemm_step(False, 64) and plain.bf16_gemm_step(True, 3)
+    config = default_ops().config
+    amx_ops(monkeypatch)                                         # AMX's flags from here on
+    ops = Ops(replace(config, amx_dense_from_rows=4))
+    assert [ops.bf16_gemm_step(False, r) for r in (1, 3, 4, 9)] == [True, True, False, False]
+    assert not ops.bf16_gemm_step(True, 1)
+    assert "below 4 rows" in ops.report.ops["quantized gemm"]
+    parser = argparse.ArgumentParser()
+    add_flags(parser, EngineConfig)
+    assert values(parser.parse_args(["--amx-dense-from-rows", "6"]), EngineConfig)["amx_dense_from_rows"] == 6
+    monkeypatch.setenv("PREFIXSERVE_AMX_DENSE_FROM_ROWS", "12")
+    parser = argparse.ArgumentParser()
+    add_flags(parser, EngineConfig)
+    assert values(parser.parse_args([]), EngineConfig)["amx_dense_from_rows"] == 12
+
+
 def test_quantized_answers_do_not_depend_on_how_much_of_the_prompt_was_cached(tiny_llama_dir: Path) -> None:
     """The fast path mixes kernels (4-bit for decode rows, bfloat16 GEMMs for prefill chunks; a C++ decode
     kernel and flash prefill): a prompt's tokens must take the same ones whether they are computed in one
