@@ -197,8 +197,9 @@ class Ops:
     def bf16_gemm_step(self, prefill: bool, rows: int) -> bool:
         """Whether a step's GGUF int4 projections take gemm_bf16: every step from `wide_rows` rows, prompt chunks
         included (AVX-512 BF16 without AMX: it beats oneDNN's GEMM there at every width, engine/models/quant.py);
-        on a CPU with AMX, the decode steps below AMX_DENSE_FROM_ROWS rows only (where the alternative is torch's
-        int4 kernel op by op, no tile units either: kernels/quant_gemm.py)."""
+        on a CPU with AMX, the decode steps below `KernelConfig.amx_dense_from_rows` rows only (--amx-dense-from-rows,
+        default AMX_DENSE_FROM_ROWS: there the alternative was torch's int4 kernel op by op, no tile units either:
+        kernels/quant_gemm.py)."""
         if self._int4_bf16 is None:
             return False
         if self._amx_dense_from is not None:
