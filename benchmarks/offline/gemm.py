@@ -114,7 +114,10 @@ def dispatched(rows: int, prefill: bool) -> str:
     ops = default_ops()
     if ops.bf16_gemm_step(prefill, rows):
         return f"gemm_bf16 ({ops.cpu.variant if ops.cpu is not None else '?'})"
-    if prefill or rows >= qg.DENSE_FROM_ROWS:
+    wide = prefill or rows >= qg.DENSE_FROM_ROWS
+    if ops.narrow_int4 and wide and not prefill:         # float32 GEMMs (AVX2): the panel-decoding int4 GEMM
+        return "c++ int4 gemm_wide (float32)"
+    if wide:
         return "dense"
     return "c++ int4 (float32)" if ops.narrow_int4 else "int4"
 

@@ -279,11 +279,15 @@ def test_gemm_bench_through_cli(tmp_path: Path, capsys: pytest.CaptureFixture[st
     ops = default_ops()
     bf16 = [p for p in res["ms"] if p.startswith("gemm_bf16")]
     assert bool(bf16) == ops.wide_int4_bf16
+    from kernels import quant_gemm as qg
     for r in ("1", "12"):
         assert res["fastest"][r] in res["ms"]
-        expected = "gemm_bf16" if ops.bf16_gemm_step(False, int(r)) else "dense" if int(r) >= 10 else "int4"
-        assert res["dispatched"][r].startswith(expected) or (expected == "int4" and "int4" in res["dispatched"][r])
-    from kernels import quant_gemm as qg
+        if ops.bf16_gemm_step(False, int(r)):
+            assert res["dispatched"][r].startswith("gemm_bf16")
+        elif ops.narrow_int4:                       # float32 GEMMs (AVX2): our int4 GEMMs for decode steps
+            assert res["dispatched"][r].startswith("c++ int4")
+        else:
+            assert res["dispatched"][r] == ("dense" if int(r) >= qg.DENSE_FROM_ROWS else "int4")
     saved = json.loads((tmp_path / "gemm.json").read_text())
     if qg.ONEDNN:                                   # one line a row count, from the ONEDNN_VERBOSE process
         assert sorted(k.split(" x ")[0] for k in saved["onednn"] if " x 576 x 3072 " in k) == ["1", "12"]

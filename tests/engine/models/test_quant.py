@@ -240,6 +240,13 @@ def test_amx_dense_from_rows_moves_the_crossover_and_is_checked(monkeypatch: pyt
     assert EngineConfig().amx_dense_from_rows == qg.AMX_DENSE_FROM_ROWS
     with pytest.raises(ValueError, match="amx_dense_from_rows must be >= 1"):
         EngineConfig(amx_dense_from_rows=0)
+    parser = argparse.ArgumentParser()
+    add_flags(parser, EngineConfig)
+    assert values(parser.parse_args(["--amx-dense-from-rows", "6"]), EngineConfig)["amx_dense_from_rows"] == 6
+    monkeypatch.setenv("PREFIXSERVE_AMX_DENSE_FROM_ROWS", "12")
+    parser = argparse.ArgumentParser()
+    add_flags(parser, EngineConfig)
+    assert values(parser.parse_args([]), EngineConfig)["amx_dense_from_rows"] == 12
     if not default_ops().wide_int4_bf16:
         pytest.skip("gemm_bf16 does not serve on this CPU")
     if not default_ops().int4_bf16_keeps_dense:                 # no AMX here: every decode step stays gemm_bf16
@@ -251,13 +258,6 @@ def test_amx_dense_from_rows_moves_the_crossover_and_is_checked(monkeypatch: pyt
     assert [ops.bf16_gemm_step(False, r) for r in (1, 3, 4, 9)] == [True, True, False, False]
     assert not ops.bf16_gemm_step(True, 1)
     assert "below 4 rows" in ops.report.ops["quantized gemm"]
-    parser = argparse.ArgumentParser()
-    add_flags(parser, EngineConfig)
-    assert values(parser.parse_args(["--amx-dense-from-rows", "6"]), EngineConfig)["amx_dense_from_rows"] == 6
-    monkeypatch.setenv("PREFIXSERVE_AMX_DENSE_FROM_ROWS", "12")
-    parser = argparse.ArgumentParser()
-    add_flags(parser, EngineConfig)
-    assert values(parser.parse_args([]), EngineConfig)["amx_dense_from_rows"] == 12
 
 
 def test_quantized_answers_do_not_depend_on_how_much_of_the_prompt_was_cached(tiny_llama_dir: Path) -> None:
