@@ -67,6 +67,11 @@ def onednn_bf16() -> bool:
     return ONEDNN_BF16
 
 
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """q [out, in] 0..15, scale, zero [out, in // GROUP] (float32) -> the float32 weight (q - 8) * scale + zero."""
+    return ((q.float() - 8).view(q.shape[0], -1, GROUP) * scale[..., None] + zero[..., None]).view(q.shape)
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [out, in] 0..15, scale, zero [out, in // GROUP] -> (the int4 kernel's packed weight, [in // GROUP, out, 2]
     bfloat16 scale and zero)."""

@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +59,10 @@ def make_layers(n_layers: int, seed: int) -> list[dict[str, Any]]:
             s = torch.rand(n, k // qg.GROUP, generator=g) * 0.02 + 0.001
             z = torch.randn(n, k // qg.GROUP, generator=g) * 0.01
             sb, zb = s.to(qg.ACT).float(), z.to(qg.ACT).float()
-            w = ((q.float() - 8).view(n, -1, qg.GROUP) * sb[..., None] + zb[..., None]).view(n, k)
             packed, sz = qg.pack_int4(q, s, z)
             w4, sz4 = int4_gemm.pack_bf16(q, sb, zb) if int4_gemm.fits_bf16(n, k) else (None, None)
             out.append({"n": n, "k": k, "packed": packed, "sz": sz, "w4": w4, "sz4": sz4,
-                        "dense": qg.pack_dense(w)})
+                        "dense": qg.pack_dense(qg.dequantize_int4(q, sb, zb))})
     return out
 
 
@@ -80,16 +80,21 @@ def bf16_builds() -> dict[str, Any]:
     return out
 
 
-def run_pass(path: str, layers: list[dict[str, Any]], xs: dict[int, torch.Tensor], builds: dict[str, Any]) -> None:
+def path_calls(builds: dict[str, Any]) -> dict[str, Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]]:
+    """path name -> its GEMM of a step's activations by one projection (as make_layers holds it)."""
     from kernels import quant_gemm as qg
+    calls: dict[str, Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]] = {
+        "int4": lambda x, w: qg.int4_mm(x, w["packed"], w["sz"]),
+        "dense": lambda x, w: qg.dense_mm(x, w["dense"], None)}
+    for name, kern in builds.items():
+        calls[f"gemm_bf16 ({name})"] = lambda x, w, kern=kern: kern.gemm_bf16(x, w["w4"], w["sz4"])
+    return calls
+
+
+def run_pass(gemm: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor], layers: list[dict[str, Any]],
+             xs: dict[int, torch.Tensor]) -> None:
     for w in layers:
-        x = xs[w["k"]]
-        if path == "int4":
-            qg.int4_mm(x, w["packed"], w["sz"])
-        elif path == "dense":
-            qg.dense_mm(x, w["dense"], None)
-        else:
-            builds[path.split("(", 1)[1].rstrip(")")].gemm_bf16(x, w["w4"], w["sz4"])
+        gemm(xs[w["k"]], w)
 
 
 def agreement(layers: list[dict[str, Any]], builds: dict[str, Any], rows: int) -> dict[str, float]:
@@ -181,7 +186,8 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench gemm") ->
     torch.set_num_threads(threads)
     from kernels import quant_gemm as qg
     builds = bf16_builds()
-    paths = ["int4", "dense", *(f"gemm_bf16 ({b})" for b in builds)]
+    calls = path_calls(builds)
+    paths = list(calls)
     layers = make_layers(n_layers, args.seed)
     ms: dict[str, list[float]] = {p: [] for p in paths}
     agree: dict[int, dict[str, float]] = {}
@@ -197,7 +203,7 @@ def main(argv: list[str] | None = None, prog: str = "prefixserve bench gemm") ->
             for _ in range(reps):
                 for p in paths:
                     t = time.perf_counter()
-                    run_pass(p, layers, xs, builds)
+                    run_pass(calls[p], layers, xs)
                     times[p].append(time.perf_counter() - t)
                 bar.update()
             for p in paths:

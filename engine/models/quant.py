@@ -64,7 +64,16 @@ from torch import nn
 
 from kernels.cpu import int4_gemm
 from kernels.ops import Ops, default_ops
-from kernels.quant_gemm import ACT, DENSE_DTYPE, DENSE_FROM_ROWS, GROUP, int4_fits, pack_dense, pack_int4
+from kernels.quant_gemm import (
+    ACT,
+    DENSE_DTYPE,
+    DENSE_FROM_ROWS,
+    GROUP,
+    dequantize_int4,
+    int4_fits,
+    pack_dense,
+    pack_int4,
+)
 
 
 class Int4Linear(nn.Module):
@@ -104,9 +113,8 @@ class Int4Linear(nn.Module):
         if w4.numel() and not self.ops.int4_bf16_keeps_dense:
             self.register_buffer("dense", torch.empty(0, dtype=DENSE_DTYPE))
         else:
-            if dense is None:    # (q - 8) * scale + zero
-                dense = ((q.float() - 8).view(self.out_features, -1, GROUP) * s[..., None] +
-                         z[..., None]).view(q.shape)
+            if dense is None:
+                dense = dequantize_int4(q, s, z)
             self.register_buffer("dense", pack_dense(dense))
         # the narrow steps' own int4 GEMM (kernels/cpu/int4_gemm.py) where wide steps are float32 GEMMs
         self.q8: torch.Tensor

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import fcntl
 
+import pytest
+
 from kernels.cpu import build
 from kernels.cpu.library import LIB_DIR, KernelUnavailable, cpu_flags, manifest
 
@@ -25,3 +27,11 @@ def ensure_built() -> None:
         except KernelUnavailable:
             flags = cpu_flags()
             build.build(LIB_DIR, only=[v.name for v in build.variants() if v.requires <= flags], log=lambda _m: None)
+
+
+def pretend_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op layers made from here on choose as on a CPU with AMX (its flags added to this CPU's); the kernels stay
+    this CPU's."""
+    import kernels.ops as ops_module
+    flags = ops_module.cpu_flags()
+    monkeypatch.setattr(ops_module, "cpu_flags", lambda: flags | {"amx_tile", "amx_bf16", "amx_int8"})

@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from kernels.cpu.layers import LayerHalves
 from kernels.ops import Ops, default_ops
 from kernels.quant_gemm import AMX_DENSE_FROM_ROWS, BF16_GEMM_FROM_ROWS, INT8_HEAD_FROM_ROWS
+from tests.helpers.kernels import pretend_amx
 
 
 def answers(llm: LLM, prompts: list[list[int]]) -> list[Any]:
@@ -95,11 +96,9 @@ def test_on_a_cpu_with_amx_only_narrow_decode_steps_take_the_halves(real_model_p
     the prompt chunks and the decode steps of AMX_DENSE_FROM_ROWS rows or more, op by op, and the narrower decode
     steps take gemm_bf16 in one C++ call; the same tokens and log-probabilities, bit for bit, as the op-by-op path
     (whose narrow steps take gemm_bf16 too)."""
-    import kernels.ops as ops_module
     if default_ops().layer_halves(False, 1, torch.bfloat16) is None:
         pytest.skip("no C++ halves on this CPU")
-    flags = ops_module.cpu_flags()
-    monkeypatch.setattr(ops_module, "cpu_flags", lambda: flags | {"amx_tile", "amx_bf16", "amx_int8"})
+    pretend_amx(monkeypatch)
     rng = random.Random(11)
     # 14 prompts, 12 tokens out each: decode steps of 14 rows down to 1 as they finish (their lengths differ)
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 200))] for _ in range(14)]

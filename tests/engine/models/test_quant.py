@@ -12,6 +12,7 @@ from engine import LLM, SamplingParams
 from engine.models.quant import DENSE_FROM_ROWS, GROUP, Int4Linear, Int8Linear, QuantLogits, gguf_q4
 from kernels import quant_gemm as qg
 from kernels.ops import Ops, default_ops
+from tests.helpers.kernels import pretend_amx
 
 # bfloat16 activations (8 mantissa bits: 2^-9 relative per element) through a dot product of a few
 # hundred terms: the output's relative error is a few 1e-3 (measured 3.4e-3 on SmolLM2's projections).
@@ -198,9 +199,8 @@ def test_wide_steps_of_gguf_q4_layers_run_the_int4_bf16_gemm_and_keep_no_dense_c
 
 def amx_ops(monkeypatch: pytest.MonkeyPatch) -> Ops:
     """The op layer as a CPU with AMX would make it: the same kernels as here, chosen by AMX's rules."""
-    import kernels.ops as ops_module
-    config, flags = default_ops().config, ops_module.cpu_flags()      # the cached default made before the patch
-    monkeypatch.setattr(ops_module, "cpu_flags", lambda: flags | {"amx_tile", "amx_bf16", "amx_int8"})
+    config = default_ops().config                # the cached default, made before the patch
+    pretend_amx(monkeypatch)
     return Ops(config)
 
 
