@@ -267,7 +267,7 @@ def cpu_prefill_row(seqs: int, prefix: int, new: int, variants: list[str], gen: 
             stats = k.prefill.prefill_stats(q, kc, vc, tables, lens, starts, list(range(seqs)), scale, out,
                                             cascade=cascade)
             assert stats is not None
-            tol = 0.005 * vmax if k.prefill.path(torch.bfloat16) == "avx512_bf16" else 1e-4
+            tol = 0.005 * vmax if k.prefill.path(torch.bfloat16) in ("avx512_bf16", "amx") else 1e-4
             torch.testing.assert_close(out, want, atol=tol, rtol=0)
             row[f"{name}_ms"] = cpu_time_us(lambda k=k, c=cascade: k.prefill.prefill(
                 q, kc, vc, tables, lens, starts, list(range(seqs)), scale, out, cascade=c), iters) / 1e3

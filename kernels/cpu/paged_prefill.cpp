@@ -3,7 +3,9 @@
 // causal, and cascade: sequences whose tables start with the same blocks (a shared system prompt) walk those
 // tiles once for all of them. Launcher and agreement criteria: kernels/cpu/paged_prefill.py.
 //
-// One walk, two kinds of tiles:
+// One walk, three kinds of tiles:
+//   AMX tiles (amx_tile.h; AMX builds, bf16 caches, head_dim a multiple of 32): the bf16 tiles' packing, rounding
+//                and softmax, their two products as TDPBF16PS on blocks of 16 rows;
 //   bf16 tiles (bf16_tile.h; AVX-512 BF16 builds, bf16 caches): the products as bf16 dot products (vdpbf16ps)
 //                of q * scale and the softmax weights rounded to bf16, float32 sums;
 //   float32 tiles (f32_tile.h; every other build, and float32 caches everywhere): float32 products with FMA.
@@ -34,6 +36,7 @@
 #include <unordered_map>
 #include <vector>
 #include <omp.h>
+#include "amx_tile.h"
 #include "bf16_tile.h"
 #include "f32_tile.h"
 
@@ -298,11 +301,58 @@ struct F32Tiles {
 };
 
 #if defined(PREFIXSERVE_BF16)
+// The softmax between a tile's two products, for the bf16 and the AMX tiles alike: rows [x0, nr) of the scores sc
+// (a row's TILE floats, its first n the tile's keys) become their weights as bf16 pairs in pw (a row's TILE / 2
+// words, zero past its keys), and mx, sum, alpha move on. Each row's new max over its keys (those at positions <= its
+// own), then the rescale factors e^(old - new) 16 rows at a time, then each row's weights e^(s - max) (e^x as
+// 2^(x log2 e): vexp2, one float32 multiply-subtract per 16 weights; the scores stay in natural units, so q * scale, a
+// power of two for the usual head sizes, is not rounded again).
+inline void bf16_weights(const float* sc, int n, int t0, int x0, int nr, const int* pos, float* mx, float* sum,
+                         float* alpha, float* top, uint32_t* pw) {
+    using namespace prefixserve_bf16;
+    constexpr float LOG2E = 1.4426950408889634f;
+    const int chunks = (n + 15) / 16;
+    for (int x = x0; x < nr; ++x) {
+        const int valid = std::min(n, pos[x] - t0 + 1);
+        const float* s_ = sc + static_cast<int64_t>(x) * TILE;
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int c = 0; c < chunks; ++c) {
+            const int k = valid - 16 * c;
+            const __mmask16 ok = static_cast<__mmask16>(k >= 16 ? 0xffff : k > 0 ? (1u << k) - 1 : 0);
+            m = _mm512_mask_max_ps(m, ok, m, _mm512_load_ps(s_ + 16 * c));
+        }
+        top[x] = std::max(mx[x], _mm512_reduce_max_ps(m));
+    }
+    for (int x = x0; x < nr; x += 16) {
+        const __mmask16 ok = static_cast<__mmask16>(nr - x >= 16 ? 0xffff : (1u << (nr - x)) - 1);
+        const __m512 t = _mm512_maskz_loadu_ps(ok, top + x);
+        _mm512_mask_storeu_ps(alpha + x, ok, prefixserve_f32::vexp2(_mm512_mul_ps(
+            _mm512_sub_ps(_mm512_maskz_loadu_ps(ok, mx + x), t), _mm512_set1_ps(LOG2E))));
+        _mm512_mask_storeu_ps(mx + x, ok, t);
+    }
+    for (int x = x0; x < nr; ++x) {
+        const int valid = std::min(n, pos[x] - t0 + 1);
+        uint32_t* pr = pw + static_cast<int64_t>(x) * (TILE / 2);
+        const float* s_ = sc + static_cast<int64_t>(x) * TILE;
+        const __m512 tv = _mm512_set1_ps(mx[x] * LOG2E), l2e = _mm512_set1_ps(LOG2E);
+        __m512 e[TILE / 16];
+        __m512 tot = _mm512_setzero_ps();
+        for (int c = 0; c < TILE / 16; ++c) {
+            const int k = valid - 16 * c;
+            const __mmask16 ok = static_cast<__mmask16>(k >= 16 ? 0xffff : k > 0 ? (1u << k) - 1 : 0);
+            e[c] = c < chunks ? _mm512_maskz_mov_ps(ok, exp2_weight(_mm512_fmsub_ps(_mm512_load_ps(s_ + 16 * c), l2e, tv)))
+                              : _mm512_setzero_ps();
+            tot = _mm512_add_ps(tot, e[c]);
+        }
+        sum[x] = sum[x] * alpha[x] + _mm512_reduce_add_ps(tot);
+        for (int c = 0; c < TILE / 16; c += 2) pack_p(e[c], e[c + 1], pr + c * 8);
+    }
+}
+
 // bf16 tiles (D = 16 NV) over a bf16 cache.
 template <int NV>
 struct Bf16Tiles {
     static constexpr int W = 8 * NV, D = 16 * NV;     // 32-bit words (dimension pairs) a row; dimensions
-    static constexpr float LOG2E = 1.4426950408889634f;
     // No prefetch of the next tile: its ~256 prefetches a tile cost more than they saved, in place and into L2
     // alike (measured: 30 layers of 2,048 prompt tokens 497 -> 455 ms without them, with the weights' exp2 below)
     static constexpr bool PREFETCH = false;
@@ -333,50 +383,115 @@ struct Bf16Tiles {
               float* mx, float* sum, float* const* acc) {
         using namespace prefixserve_bf16;
         const int chunks = (n + 15) / 16, rows = nr - x0;
-        float* sx = sc + static_cast<int64_t>(x0) * TILE;
         pack_k(krow, n, D, kt);
         pack_v(vrow, n, D, vt);
-        scores_chunks(qrow + x0, rows, kt, W, chunks, sx, TILE);
-        // each row's new max over its keys (those at positions <= its own), then the rescale factors e^(old - new)
-        // 16 rows at a time, then each row's weights e^(s - max) as bf16 pairs (e^x as 2^(x log2 e): vexp2, one
-        // float32 multiply-subtract per 16 weights; the scores stay in natural units, so q * scale, a power of two
-        // for the usual head sizes, is not rounded again)
-        for (int x = x0; x < nr; ++x) {
-            const int valid = std::min(n, pos[x] - t0 + 1);
-            const float* s_ = sc + static_cast<int64_t>(x) * TILE;
-            __m512 m = _mm512_set1_ps(-INFINITY);
-            for (int c = 0; c < chunks; ++c) {
-                const int k = valid - 16 * c;
-                const __mmask16 ok = static_cast<__mmask16>(k >= 16 ? 0xffff : k > 0 ? (1u << k) - 1 : 0);
-                m = _mm512_mask_max_ps(m, ok, m, _mm512_load_ps(s_ + 16 * c));
-            }
-            top[x] = std::max(mx[x], _mm512_reduce_max_ps(m));
-        }
-        for (int x = x0; x < nr; x += 16) {
-            const __mmask16 ok = static_cast<__mmask16>(nr - x >= 16 ? 0xffff : (1u << (nr - x)) - 1);
-            const __m512 t = _mm512_maskz_loadu_ps(ok, top + x);
-            _mm512_mask_storeu_ps(alpha + x, ok, prefixserve_f32::vexp2(_mm512_mul_ps(
-                _mm512_sub_ps(_mm512_maskz_loadu_ps(ok, mx + x), t), _mm512_set1_ps(LOG2E))));
-            _mm512_mask_storeu_ps(mx + x, ok, t);
-        }
-        for (int x = x0; x < nr; ++x) {
-            const int valid = std::min(n, pos[x] - t0 + 1);
-            uint32_t* pr = pw + static_cast<int64_t>(x) * (TILE / 2);
-            const float* s_ = sc + static_cast<int64_t>(x) * TILE;
-            const __m512 tv = _mm512_set1_ps(mx[x] * LOG2E), l2e = _mm512_set1_ps(LOG2E);
-            __m512 e[TILE / 16];
-            __m512 tot = _mm512_setzero_ps();
-            for (int c = 0; c < TILE / 16; ++c) {
-                const int k = valid - 16 * c;
-                const __mmask16 ok = static_cast<__mmask16>(k >= 16 ? 0xffff : k > 0 ? (1u << k) - 1 : 0);
-                e[c] = c < chunks ? _mm512_maskz_mov_ps(ok, exp2_weight(_mm512_fmsub_ps(_mm512_load_ps(s_ + 16 * c), l2e, tv)))
-                                  : _mm512_setzero_ps();
-                tot = _mm512_add_ps(tot, e[c]);
-            }
-            sum[x] = sum[x] * alpha[x] + _mm512_reduce_add_ps(tot);
-            for (int c = 0; c < TILE / 16; c += 2) pack_p(e[c], e[c + 1], pr + c * 8);
-        }
+        scores_chunks(qrow + x0, rows, kt, W, chunks, sc + static_cast<int64_t>(x0) * TILE, TILE);
+        bf16_weights(sc, n, t0, x0, nr, pos, mx, sum, alpha, top, pw);
         values_rows<NV>(acc + x0, alpha + x0, prow + x0, vt, (n + 1) / 2, rows);
+    }
+};
+
+// AMX tiles (D = 16 NV, NV even) over a bf16 cache: the same packing, softmax and rounding as the bf16 tiles, the
+// two products as TDPBF16PS on blocks of 16 rows (amx_tile.h; emulated on a build without AMX, for the tests).
+//   scores: A = 16 rows of q * scale (bf16, 32 dimensions a tile), B = the packed K's 16 dimension pairs x 16 keys,
+//           C = 16 rows x 16 keys, one C tile a chunk of the tile's (up to 4): tmm0-3 scores, tmm4 q, tmm5-7 K;
+//   values: A = 16 rows' weights over 32 keys (bf16 pairs), B = the packed V's 16 key pairs x 16 dimensions,
+//           C = 16 rows x 16 dimensions, four at a time (tmm0-3), added to the accumulators as acc alpha + C.
+// A row's arithmetic does not depend on the other rows of its block (a C row is its A row times B), so the tiles
+// keep the chunk, cache, cascade and thread invariance of the bf16 tiles; they differ from them only in the order
+// of the float32 sums (criterion: the same 0.5% of the largest |V| against float64).
+template <int NV>
+struct AmxTiles {
+    static_assert(NV % 2 == 0, "AMX tiles take 32 dimensions a tile");
+    static constexpr int W = 8 * NV, D = 16 * NV, PAIRS = TILE / 2;
+    static constexpr bool PREFETCH = false;
+    uint32_t *qw, *kt, *vt, *pw;
+    float *sc, *alpha, *top, *ot;
+    AmxTiles(int nr, int) {
+        const int np = (nr + 15) / 16 * 16;           // rows in whole blocks of 16; those past nr are zero
+        thread_local std::vector<uint32_t> qb, kb, vb, pb;
+        thread_local std::vector<float> sb, ab, tb, ob;
+        qw = aligned(qb, static_cast<size_t>(np) * W);
+        kt = aligned(kb, static_cast<size_t>(TILE) * W);
+        vt = aligned(vb, static_cast<size_t>(PAIRS) * D);
+        pw = aligned(pb, static_cast<size_t>(np) * PAIRS);
+        sc = aligned(sb, static_cast<size_t>(np) * TILE);
+        alpha = aligned(ab, np);
+        top = aligned(tb, np);
+        ot = aligned(ob, static_cast<size_t>(prefixserve_amx::ROWS) * D);
+        std::memset(qw + static_cast<int64_t>(nr) * W, 0, sizeof(uint32_t) * (np - nr) * W);
+        std::memset(pw, 0, sizeof(uint32_t) * np * PAIRS);
+        prefixserve_amx::configure();
+    }
+    ~AmxTiles() { prefixserve_amx::release(); }
+    void set_q(int x, const float* src, float scale) {
+        prefixserve_bf16::pack_q(src, scale, D, qw + static_cast<int64_t>(x) * W);
+    }
+    // scores of rows [r0, r0 + 16) over the tile's chunks (1 to 4) into sc
+    void scores(int r0, int chunks) {
+        const uint32_t* q = qw + static_cast<int64_t>(r0) * W;
+        AMX_ZERO(0); AMX_ZERO(1); AMX_ZERO(2); AMX_ZERO(3);
+        for (int w0 = 0; w0 < W; w0 += 16) {
+            AMX_LOAD(4, q + w0, W * 4);
+            AMX_LOAD(5, kt + w0 * 16, 64);
+            AMX_DP(0, 4, 5);
+            if (chunks > 1) { AMX_LOAD(6, kt + (W + w0) * 16, 64); AMX_DP(1, 4, 6); }
+            if (chunks > 2) { AMX_LOAD(7, kt + (2 * W + w0) * 16, 64); AMX_DP(2, 4, 7); }
+            if (chunks > 3) { AMX_LOAD(5, kt + (3 * W + w0) * 16, 64); AMX_DP(3, 4, 5); }
+        }
+        float* s = sc + static_cast<int64_t>(r0) * TILE;
+        AMX_STORE(0, s, TILE * 4);
+        if (chunks > 1) AMX_STORE(1, s + 16, TILE * 4);
+        if (chunks > 2) AMX_STORE(2, s + 32, TILE * 4);
+        if (chunks > 3) AMX_STORE(3, s + 48, TILE * 4);
+    }
+    // the weights of rows [r0, r0 + 16) times the tile's V (blocks of 16 key pairs) into ot, then acc = acc alpha + ot
+    // for those of rows [x0, nr)
+    void values(int r0, int blocks, int x0, int nr, float* const* acc) {
+        const uint32_t* p = pw + static_cast<int64_t>(r0) * PAIRS;
+        for (int v0 = 0; v0 < NV; v0 += 4) {
+            AMX_ZERO(0); AMX_ZERO(1); AMX_ZERO(2); AMX_ZERO(3);
+            for (int b = 0; b < blocks; ++b) {
+                const uint32_t* v = vt + (static_cast<int64_t>(16 * b) * NV + v0) * 16;
+                AMX_LOAD(4, p + 16 * b, PAIRS * 4);
+                AMX_LOAD(5, v, NV * 64);
+                AMX_DP(0, 4, 5);
+                AMX_LOAD(6, v + 16, NV * 64);
+                AMX_DP(1, 4, 6);
+                if (v0 + 2 < NV) {
+                    AMX_LOAD(7, v + 32, NV * 64);
+                    AMX_DP(2, 4, 7);
+                    AMX_LOAD(5, v + 48, NV * 64);
+                    AMX_DP(3, 4, 5);
+                }
+            }
+            AMX_STORE(0, ot + 16 * v0, D * 4);
+            AMX_STORE(1, ot + 16 * (v0 + 1), D * 4);
+            if (v0 + 2 < NV) {
+                AMX_STORE(2, ot + 16 * (v0 + 2), D * 4);
+                AMX_STORE(3, ot + 16 * (v0 + 3), D * 4);
+            }
+        }
+        for (int x = std::max(r0, x0); x < std::min(r0 + 16, nr); ++x) {
+            const __m512 a = _mm512_set1_ps(alpha[x]);
+            const float* o = ot + static_cast<int64_t>(x - r0) * D;
+            for (int v = 0; v < NV; ++v)
+                _mm512_storeu_ps(acc[x] + 16 * v, _mm512_fmadd_ps(a, _mm512_loadu_ps(acc[x] + 16 * v),
+                                                                  _mm512_load_ps(o + 16 * v)));
+        }
+    }
+    void step(const uint16_t* const* krow, const uint16_t* const* vrow, int n, int t0, int x0, int nr, const int* pos,
+              float* mx, float* sum, float* const* acc) {
+        using namespace prefixserve_bf16;
+        const int chunks = (n + 15) / 16, pairs = (n + 1) / 2, blocks = (pairs + 15) / 16;
+        pack_k(krow, n, D, kt);
+        pack_v(vrow, n, D, vt);
+        if (pairs < 16 * blocks)      // the last V block's rows past the tile's pairs: zero, not stale (0 x NaN)
+            std::memset(vt + static_cast<int64_t>(pairs) * D, 0, sizeof(uint32_t) * (16 * blocks - pairs) * D);
+        const int b0 = x0 / 16 * 16;
+        for (int r0 = b0; r0 < nr; r0 += 16) scores(r0, chunks);
+        bf16_weights(sc, n, t0, x0, nr, pos, mx, sum, alpha, top, pw);
+        for (int r0 = b0; r0 < nr; r0 += 16) values(r0, blocks, x0, nr, acc);
     }
 };
 #endif
@@ -478,6 +593,29 @@ void prefill(const Args& A, const Plan& p) {
     }
 }
 
+// The AMX tiles take a bf16 cache whose head_dim is a multiple of 32 (16 NV, NV in 2, 4, 6, 8, 16): on an AMX build
+// where Linux grants the tile state (real), on any other AVX-512 BF16 build only when asked (emulated, tests).
+inline bool amx_takes(int kv_dtype, int D) {
+#if defined(PREFIXSERVE_BF16)
+    const int nv = D / 16;
+    return kv_dtype == 1 && D % 32 == 0 && (nv == 2 || nv == 4 || nv == 6 || nv == 8 || nv == 16) &&
+           prefixserve_amx::available();
+#else
+    (void)kv_dtype; (void)D;
+    return false;
+#endif
+}
+
+// What `tiles` = 0 runs: the AMX tiles where the build has AMX and takes the shape, else the bf16 (vector) tiles.
+inline bool amx_default(int kv_dtype, int D) {
+#if defined(PREFIXSERVE_AMX)
+    return amx_takes(kv_dtype, D);
+#else
+    (void)kv_dtype; (void)D;
+    return false;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -486,14 +624,17 @@ extern "C" {
 // caches [blocks, B, Hkv, D] float32 (kv_dtype 0) or bfloat16 (1), strides given, D contiguous; out [T, H, D]
 // float32. Only the rows of the sequences listed in seqs are computed. cascade: 1 to walk shared leading tiles
 // once for all. stats (null, or 3 int64): cascade groups; members x shared keys, summed over the groups; keys
-// walked in all (summed over the items, per KV head). Returns 0, or -1 for shapes it does not take.
+// walked in all (summed over the items, per KV head). tiles: 0 the build's best loops (the AMX tiles on an AMX
+// build, where the shape allows), 1 the vector tiles, 2 the AMX tiles where they take the cache (bf16, head_dim a
+// multiple of 32; emulated on a build with AVX-512 BF16 and no AMX: for the tests), else as 0. Returns 0, or -1 for
+// shapes it does not take.
 int prefixserve_paged_prefill(const float* q, const void* kc, const void* vc, const int32_t* bt, int64_t bt_stride,
                               const int32_t* lens, const int32_t* qstart, const int32_t* seqs, int n_seqs, float* out,
                               int H, int Hkv, int D, int B, float scale, int64_t kc_blk, int64_t kc_tok,
                               int64_t kc_head, int64_t vc_blk, int64_t vc_tok, int64_t vc_head, int kv_dtype,
-                              int cascade, int64_t* stats) {
+                              int cascade, int64_t* stats, int tiles) {
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_GROUP || B <= 0 || D % 16 != 0 || D > MAX_D || kv_dtype < 0 ||
-        kv_dtype > 1)
+        kv_dtype > 1 || tiles < 0 || tiles > 2)
         return -1;
     const Args A{q, kc, vc, bt, bt_stride, lens, qstart, out, H, Hkv, D, B, scale, kc_blk, kc_tok, kc_head,
                  vc_blk, vc_tok, vc_head};
@@ -508,6 +649,16 @@ int prefixserve_paged_prefill(const float* q, const void* kc, const void* vc, co
     }
     if (kv_dtype == 0) { prefill<F32Tiles<float>, float>(A, p); return 0; }
 #if defined(PREFIXSERVE_BF16)
+    if ((tiles == 2 && amx_takes(kv_dtype, D)) || (tiles == 0 && amx_default(kv_dtype, D))) {
+        switch (D / 16) {
+            case 2: prefill<AmxTiles<2>, uint16_t>(A, p); return 0;
+            case 4: prefill<AmxTiles<4>, uint16_t>(A, p); return 0;
+            case 6: prefill<AmxTiles<6>, uint16_t>(A, p); return 0;
+            case 8: prefill<AmxTiles<8>, uint16_t>(A, p); return 0;
+            case 16: prefill<AmxTiles<16>, uint16_t>(A, p); return 0;
+            default: break;
+        }
+    }
     switch (D / 16) {
         case 2: prefill<Bf16Tiles<2>, uint16_t>(A, p); return 0;
         case 4: prefill<Bf16Tiles<4>, uint16_t>(A, p); return 0;
@@ -521,8 +672,10 @@ int prefixserve_paged_prefill(const float* q, const void* kc, const void* vc, co
     return 0;
 }
 
-// The loops a cache dtype runs: "avx512_bf16" (bf16 products), "avx512", "avx2" or "generic" (float32 products).
+// The loops a cache dtype runs by default: "amx" (bf16 products as AMX tiles), "avx512_bf16" (bf16 products),
+// "avx512", "avx2" or "generic" (float32 products).
 const char* prefixserve_paged_prefill_path(int kv_dtype, int head_dim) {
+    if (amx_default(kv_dtype, head_dim)) return "amx";
 #if defined(PREFIXSERVE_BF16)
     if (kv_dtype == 1 && head_dim % 32 == 0 && (head_dim / 16 == 2 || head_dim / 16 == 4 || head_dim / 16 == 6 ||
                                                 head_dim / 16 == 8 || head_dim / 16 == 16))

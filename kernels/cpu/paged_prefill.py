@@ -6,14 +6,18 @@ of them instead of once each.
     q [num_tokens, num_heads, head_dim] float32 -> out, the same shape (rows of the listed sequences)
     key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim] bfloat16 or float32, head_dim contiguous
 
-Two kinds of loops (`path`): on a build with AVX-512 BF16, a bf16 cache's products are bf16 dot products with
-float32 sums ("avx512_bf16"); everywhere else, and for float32 caches, float32 products with FMA ("avx512",
-"avx2", or "generic": portable loops).
+Three kinds of loops (`path`): on an AMX build, a bf16 cache's two products are AMX tiles (TDPBF16PS on blocks of
+16 rows, "amx"; head_dim a multiple of 32); on a build with AVX-512 BF16, bf16 dot products with float32 sums
+("avx512_bf16"); everywhere else, and for float32 caches, float32 products with FMA ("avx512", "avx2", or
+"generic": portable loops). The AMX tiles share the bf16 tiles' packing, rounding and softmax and differ from them
+only in the order of the float32 sums. `with_tiles(AMX)` forces them; on a build with AVX-512 BF16 and no AMX they
+then run emulated (kernels/cpu/amx_tile.h: the instructions' documented semantics, in memory), which is how the
+tests check their logic on CPUs without AMX.
 
-Agreement criteria (tested in tests/kernels/cpu/test_cpu_prefill.py):
+Agreement criteria (tested in tests/kernels/cpu/test_cpu_prefill.py, the AMX tiles emulated where there is no AMX):
 - against float64 attention over the same cache: float32 products, within float32 rounding (2e-5 of the
-  largest |V|); bf16 products, within 0.5% of the largest |V| (the kernel rounds q * scale and the softmax
-  weights to bf16; measured 0.07-0.15%);
+  largest |V|); bf16 products (vector or AMX tiles), within 0.5% of the largest |V| (the kernel rounds q * scale
+  and the softmax weights to bf16; measured 0.07-0.15%);
 - bit for bit the same output for a token however its prompt was cut into chunks, however much of it came
   from the prefix cache, and with or without cascade, given the same K and V in the cache: every row walks
   the same tiles, aligned to absolute positions, with the same arithmetic, and the cascade only saves a row's
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+BEST, VECTOR, AMX = 0, 1, 2      # `tiles`: the build's best loops, the vector tiles, the AMX tiles
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -53,19 +58,27 @@ class PrefillStats:
 class PagedPrefill:
     """The kernel of one build (kernels/cpu/library.py loads it)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, tiles: int = BEST) -> None:
         f = lib.prefixserve_paged_prefill
         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         f.argtypes = [p, p, p, p, i64, p, p, p, i, p, i, i, i, i, ctypes.c_float, i64, i64, i64, i64, i64, i64,
-                      i, i, p]
+                      i, i, p, i]
         f.restype = ctypes.c_int
+        self._lib = lib
         self._fn = f
         self._path = lib.prefixserve_paged_prefill_path
         self._path.argtypes = [i, i]
         self._path.restype = ctypes.c_char_p
+        self.tiles = tiles
+
+    def with_tiles(self, tiles: int) -> PagedPrefill:
+        """The same build forced to `VECTOR` or `AMX` tiles (AMX: where they take the cache, a bf16 one with
+        head_dim a multiple of 32, else the build's loops; emulated on a build with AVX-512 BF16 and no AMX)."""
+        return PagedPrefill(self._lib, tiles)
 
     def path(self, dtype: torch.dtype = torch.bfloat16, head_dim: int = 64) -> str:
-        """The loops a cache of this dtype runs: avx512_bf16 (bf16 products), avx512, avx2 or generic (float32)."""
+        """The loops a cache of this dtype runs by default: amx or avx512_bf16 (bf16 products), avx512, avx2 or
+        generic (float32)."""
         return self._path(_DTYPES[dtype], head_dim).decode()
 
     def prefill(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -107,11 +120,11 @@ class PagedPrefill:
                       out.data_ptr(), num_heads, num_kv_heads, head_dim, key_cache.shape[1], scale,
                       key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), value_cache.stride(0),
                       value_cache.stride(1), value_cache.stride(2), _DTYPES[key_cache.dtype], int(cascade),
-                      stats.data_ptr())
+                      stats.data_ptr(), self.tiles)
         if rc != 0:
             return None
         groups, shared, keys = stats.tolist()
         return PrefillStats(groups, shared, keys)
 
 
-__all__ = ["PagedPrefill", "PrefillStats", "supports"]
+__all__ = ["AMX", "BEST", "VECTOR", "PagedPrefill", "PrefillStats", "supports"]

@@ -37,12 +37,12 @@ def test_cpu_backend_matches_reference(case: int, dtype: torch.dtype, compiled: 
     expected = ref_attention(q, b.key_cache, b.value_cache, b.md.block_tables, b.md.seq_lens_list,
                              b.md.query_lens_list, default_scale(64))
     # float32 products over the same cache values (bf16-rounded where the cache is bf16): float32 rounding
-    # only; except over a bf16 cache with the C++ kernels on a build with AVX-512 BF16: prefill rows
+    # only; except over a bf16 cache with the C++ kernels on a build with AVX-512 BF16 (or AMX): prefill rows
     # (kernels/cpu/paged_prefill.py) and decode rows (kernels/cpu/paged_decode.py) take bf16 products, within 0.5%
     # of the largest |V|
     prefill = torch.tensor([b.md.is_prefill(i) for i, q_len in enumerate(query_lens) for _ in range(q_len)])
     tight = torch.ones_like(prefill)
-    if compiled and load().prefill.path(dtype) == "avx512_bf16":
+    if compiled and load().prefill.path(dtype) in ("avx512_bf16", "amx"):
         tight &= ~prefill
     if compiled and dtype == torch.bfloat16 and load().decode.path == "avx512_bf16":
         tight &= prefill

@@ -1,16 +1,21 @@
-"""The C++ CPU paged prefill kernel, every build this CPU runs (portable loops, avx2, avx512, avx512_bf16), bf16
-and float32 caches, against the float64 reference that walks the block table token by token, within its
-stated criterion (kernels/cpu/paged_prefill.py: float32 products within 1e-5 of the largest |V|, bf16 products
-within 0.5%); outputs poisoned with NaN before each launch. Metamorphic checks, bit for bit: chunked vs whole,
-block size 1 vs 16, cascade vs not, a sequence alone vs in a group that shares its prefix, any thread count."""
+"""The C++ CPU paged prefill kernel, every build this CPU runs (portable loops, avx2, avx512, avx512_bf16, amx),
+and each build with AVX-512 BF16 once more with the AMX tiles forced (`+amx_tiles`: emulated where the CPU has
+no AMX, kernels/cpu/amx_tile.h), bf16 and float32 caches, against the float64 reference that walks the block
+table token by token, within its stated criterion (kernels/cpu/paged_prefill.py: float32 products within 1e-5 of
+the largest |V|, bf16 products within 0.5%); outputs poisoned with NaN before each launch. Metamorphic checks,
+bit for bit: chunked vs whole, block size 1 vs 16, cascade vs not, a sequence alone vs in a group that shares its
+prefix, any thread count."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from kernels.cpu import paged_prefill as pp
-from kernels.cpu.library import CpuKernels
+from kernels.cpu.library import CpuKernels, load
 from tests.kernels.batch import PagedBatch, make_batch, make_metadata, pairwise, rebuild
+from tests.kernels.cpu.conftest import VARIANTS
 from tests.kernels.reference import default_scale, ref_attention
 
 # Tolerances against the float64 reference, as a share of the largest |V| (the output is a weighted mean of
@@ -19,8 +24,21 @@ from tests.kernels.reference import default_scale, ref_attention
 F32_TOL, BF16_TOL = 1e-5, 5e-3
 
 
+BF16_BUILDS = [v for v in VARIANTS if load(v).prefill.path(torch.bfloat16, 64) in ("avx512_bf16", "amx")]
+
+
+@pytest.fixture(params=[*VARIANTS, *(f"{v}+amx_tiles" for v in BF16_BUILDS)] or [None], ids=lambda v: v or "none-built")
+def variant(request: pytest.FixtureRequest) -> CpuKernels:
+    """Every build this CPU runs, as conftest's, and the builds with bf16 products again with the AMX tiles."""
+    if request.param is None:
+        pytest.skip("no build of the C++ CPU kernels runs here (kernels/cpu/lib: make kernels)")
+    name, _, tiles = request.param.partition("+")
+    k = load(name)
+    return dataclasses.replace(k, prefill=k.prefill.with_tiles(pp.AMX)) if tiles else k
+
+
 def tolerance(k: CpuKernels, dtype: torch.dtype, head_dim: int) -> float:
-    return BF16_TOL if k.prefill.path(dtype, head_dim) == "avx512_bf16" else F32_TOL
+    return BF16_TOL if k.prefill.path(dtype, head_dim) in ("avx512_bf16", "amx") else F32_TOL
 
 
 def run(k: CpuKernels, b: PagedBatch, seqs: list[int] | None = None, scale: float | None = None,
@@ -233,3 +251,34 @@ def test_cpu_prefill_declines_what_it_does_not_take(variant: CpuKernels) -> None
                                    b.md.query_start_loc, [0], 0.125, out) is None     # float16: the flash path
     assert not pp.supports(4, 2, 72, torch.bfloat16)                                   # head_dim % 16 != 0
     assert not pp.supports(36, 2, 64, torch.bfloat16)                                  # 18 query heads a KV head
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (32, 1), (96, 2), (128, 4)])
+def test_amx_tiles_run_and_agree_with_the_vector_tiles(head_dim: int, group: int) -> None:
+    """The AMX tiles (real on an AMX build, emulated elsewhere) take every head_dim a multiple of 32, rows in blocks
+    of 16 cut anywhere (a one-token chunk, 21 and 37 tokens x G heads, a chunk starting mid-tile after a cached
+    context): within the bf16 criterion of float64, and not the vector tiles' bits (the float32 sums' order
+    differs), so the AMX code is what ran."""
+    if not BF16_BUILDS:
+        pytest.skip("no build with bf16 products runs here")
+    k = load(BF16_BUILDS[-1])
+    b = make_batch([300, 21, 1, 150], [37, 21, 1, 150], num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+                   block_size=16, dtype=torch.bfloat16, seed=head_dim + group, device="cpu")
+    amx = dataclasses.replace(k, prefill=k.prefill.with_tiles(pp.AMX))
+    vec = dataclasses.replace(k, prefill=k.prefill.with_tiles(pp.VECTOR))
+    a, v = run(amx, b), run(vec, b)
+    within_criterion(amx, b, a)
+    within_criterion(vec, b, v)
+    assert not torch.equal(a, v)
+    assert (a - v).abs().max().item() < BF16_TOL * b.value_cache.float().nan_to_num(0).abs().amax().item()
+
+
+def test_amx_tiles_leave_float32_caches_and_odd_head_dims_to_the_other_loops() -> None:
+    if not BF16_BUILDS:
+        pytest.skip("no build with bf16 products runs here")
+    k = load(BF16_BUILDS[-1])
+    amx = dataclasses.replace(k, prefill=k.prefill.with_tiles(pp.AMX))
+    for dtype, head_dim in ((torch.float32, 64), (torch.bfloat16, 80)):
+        b = make_batch([40, 9], [40, 9], num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype,
+                       seed=7, device="cpu")
+        assert torch.equal(run(amx, b), run(k, b))
