@@ -104,4 +104,57 @@ inline void dp(int c, int a, int b) {
 #define AMX_DP(c, a, b) prefixserve_amx::dp(c, a, b)
 #endif
 
+// The two products of an attention tile (TILE = 64 keys) for one block of 16 query rows, in the bf16 tiles' layouts
+// (bf16_tile.h pack_q, pack_k, pack_v, pack_p):
+// scores: sc[m][16 c + j] (row stride sc_stride floats) = q_m . k_(16 c + j) for the tile's chunks c < chunks (1 to
+//         4); q rows of W words (dimension pairs) at q + m q_stride; kt the packed K, [chunk][W][16 keys] words.
+//         tmm0-3 the chunks' scores, tmm4 the queries' 32 dimensions, tmm5-7 K.
+inline void scores_block(const uint32_t* q, int q_stride, const uint32_t* kt, int W, int chunks, float* sc,
+                         int sc_stride) {
+    AMX_ZERO(0); AMX_ZERO(1); AMX_ZERO(2); AMX_ZERO(3);
+    for (int w0 = 0; w0 < W; w0 += 16) {
+        AMX_LOAD(4, q + w0, q_stride * 4);
+        AMX_LOAD(5, kt + w0 * 16, 64);
+        AMX_DP(0, 4, 5);
+        if (chunks > 1) { AMX_LOAD(6, kt + (W + w0) * 16, 64); AMX_DP(1, 4, 6); }
+        if (chunks > 2) { AMX_LOAD(7, kt + (2 * W + w0) * 16, 64); AMX_DP(2, 4, 7); }
+        if (chunks > 3) { AMX_LOAD(5, kt + (3 * W + w0) * 16, 64); AMX_DP(3, 4, 5); }
+    }
+    AMX_STORE(0, sc, sc_stride * 4);
+    if (chunks > 1) AMX_STORE(1, sc + 16, sc_stride * 4);
+    if (chunks > 2) AMX_STORE(2, sc + 32, sc_stride * 4);
+    if (chunks > 3) AMX_STORE(3, sc + 48, sc_stride * 4);
+}
+
+// values: ot[m][d] (row stride D = 16 NV floats) = sum over the tile's key pairs i < 16 blocks of p_m[i] . vt[i][d];
+//         the weights' rows of 32 words (bf16 key pairs) at p + m p_stride; vt the packed V, [pair][NV][16] words,
+//         its rows zero from the tile's last pair to 16 blocks. NV even. tmm0-3 four blocks of 16 dimensions, tmm4
+//         the weights, tmm5-7 V.
+inline void values_block(const uint32_t* p, int p_stride, const uint32_t* vt, int NV, int blocks, float* ot) {
+    const int D = 16 * NV;
+    for (int v0 = 0; v0 < NV; v0 += 4) {
+        AMX_ZERO(0); AMX_ZERO(1); AMX_ZERO(2); AMX_ZERO(3);
+        for (int b = 0; b < blocks; ++b) {
+            const uint32_t* v = vt + (static_cast<int64_t>(16 * b) * NV + v0) * 16;
+            AMX_LOAD(4, p + 16 * b, p_stride * 4);
+            AMX_LOAD(5, v, NV * 64);
+            AMX_DP(0, 4, 5);
+            AMX_LOAD(6, v + 16, NV * 64);
+            AMX_DP(1, 4, 6);
+            if (v0 + 2 < NV) {
+                AMX_LOAD(7, v + 32, NV * 64);
+                AMX_DP(2, 4, 7);
+                AMX_LOAD(5, v + 48, NV * 64);
+                AMX_DP(3, 4, 5);
+            }
+        }
+        AMX_STORE(0, ot + 16 * v0, D * 4);
+        AMX_STORE(1, ot + 16 * (v0 + 1), D * 4);
+        if (v0 + 2 < NV) {
+            AMX_STORE(2, ot + 16 * (v0 + 2), D * 4);
+            AMX_STORE(3, ot + 16 * (v0 + 3), D * 4);
+        }
+    }
+}
+
 }  // namespace prefixserve_amx

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <vector>
 #include <omp.h>
+#include "amx_tile.h"
 #include "bf16_convert.h"
 #include "bf16_tile.h"
 #include "simd_math.h"
@@ -283,8 +284,60 @@ void tile_bf16(const Rows& r, const uint32_t* const* qw, const uint16_t* const* 
     }
     prefixserve_bf16::values_rows<NV>(acc, alpha, prow, vt, (n + 1) / 2, r.n);
 }
+
+// tile_bf16's AMX form, for an item of 16 rows or more (a cascade group: its members' query rows over their shared
+// prefix; a lone sequence has only its G): the same packing, softmax and rounding, the two products as AMX tiles on
+// blocks of 16 rows (amx_tile.h scores_block, values_block; emulated on a build without AMX, for the tests). qa: the
+// rows' q * scale as bf16 pairs, W words a row, zero rows to a whole block; pw: the weights, zero there too. Differs
+// from tile_bf16 only in the order of the float32 sums (a row's result is its own either way).
+template <int NV>
+void tile_amx(const Rows& r, const uint32_t* qa, const uint16_t* const* krow, const uint16_t* const* vrow, int n,
+              uint32_t* kt, uint32_t* vt, uint32_t* pw, float* sc, float* ot) {
+    constexpr int D = 16 * NV, W = 8 * NV, PAIRS = TILE / 2;
+    const int chunks = (n + 15) / 16, pairs = (n + 1) / 2, blocks = (pairs + 15) / 16;
+    prefixserve_bf16::pack_k(krow, n, D, kt);
+    prefixserve_bf16::pack_v(vrow, n, D, vt);
+    if (pairs < 16 * blocks)      // the last V block's rows past the tile's pairs: zero, not stale (0 x NaN)
+        std::memset(vt + static_cast<int64_t>(pairs) * D, 0, sizeof(uint32_t) * (16 * blocks - pairs) * D);
+    for (int r0 = 0; r0 < r.n; r0 += 16)
+        prefixserve_amx::scores_block(qa + static_cast<int64_t>(r0) * W, W, kt, W, chunks, sc + r0 * TILE, TILE);
+    float alpha[MAX_MEMBERS * MAX_GROUP];
+    for (int x = 0; x < r.n; ++x) {
+        float* s = sc + x * TILE;
+        alpha[x] = row_weights(s, r.st[x], n, chunks);
+        uint32_t* pr = pw + x * PAIRS;
+        for (int c = 0; c < TILE / 16; c += 2)
+            prefixserve_bf16::pack_p(c < chunks ? _mm512_load_ps(s + c * 16) : _mm512_setzero_ps(),
+                                     c + 1 < chunks ? _mm512_load_ps(s + c * 16 + 16) : _mm512_setzero_ps(), pr + c * 8);
+    }
+    for (int r0 = 0; r0 < r.n; r0 += 16) {
+        prefixserve_amx::values_block(pw + r0 * PAIRS, PAIRS, vt, NV, blocks, ot);
+        for (int x = r0; x < std::min(r0 + 16, r.n); ++x) {
+            float* acc = r.st[x] + 2;
+            const __m512 a = _mm512_set1_ps(alpha[x]);
+            for (int v = 0; v < NV; ++v)
+                _mm512_storeu_ps(acc + 16 * v, _mm512_fmadd_ps(a, _mm512_loadu_ps(acc + 16 * v),
+                                                               _mm512_load_ps(ot + (x - r0) * D + 16 * v)));
+        }
+    }
+}
 #endif
 #endif
+
+// Which tiles a bf16 cache's items take (prefixserve_paged_decode_set_tiles): 0 the build's best (the AMX tiles for
+// items of 16 rows or more on an AMX build where Linux grants the tile state), 1 the vector tiles, 2 the AMX tiles
+// for such items on any build with AVX-512 BF16 (emulated without AMX: a test hook). Process-wide for this build.
+std::atomic<int> tiles_mode{0};
+
+inline bool amx_items() {
+#if defined(PREFIXSERVE_AMX)
+    return tiles_mode.load(std::memory_order_relaxed) != 1 && prefixserve_amx::available();
+#elif defined(PREFIXSERVE_BF16)
+    return tiles_mode.load(std::memory_order_relaxed) == 2;
+#else
+    return false;
+#endif
+}
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define PREFIXSERVE_AVX2 1
@@ -472,22 +525,34 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
     thread_local std::vector<float> qbuf, sbuf, kbuf;        // the scaled queries; scores; a transposed K tile
                                                             // (AVX2: the scores' partial sums)
     qbuf.resize(static_cast<size_t>(nmem) * H * D);
+    bool amx = false;                                        // the item's tiles are AMX ones (tile_amx)
+    int np = nmem * G;                                       // its rows (AMX: in whole blocks of 16)
 #if defined(PREFIXSERVE_BF16)
     // bf16 caches of whole bf16 pair vectors (head_dim % 32 == 0) take tile_bf16: the queries as bf16 pairs, V
     // interleaved, the weights as bf16 pairs
     constexpr bool bf16_tiles = sizeof(KV) == 2 && NV % 2 == 0;
-    thread_local std::vector<uint32_t> qwbuf, vbuf, pbuf;
-    uint32_t *qw = nullptr, *vt = nullptr, *pw = nullptr;
+    amx = bf16_tiles && nmem * G >= 16 && amx_items();                 // tile_amx: rows in whole blocks of 16
+    np = amx ? (nmem * G + 15) / 16 * 16 : nmem * G;
+    thread_local std::vector<uint32_t> qwbuf, vbuf, pbuf, qabuf;
+    thread_local std::vector<float> obuf;
+    uint32_t *qw = nullptr, *vt = nullptr, *pw = nullptr, *qa = nullptr;
+    float* ot = nullptr;
     if constexpr (bf16_tiles) {
         qwbuf.resize(static_cast<size_t>(nmem) * H * D / 2);
         vbuf.resize(static_cast<size_t>(TILE / 2) * D + 16);
-        pbuf.resize(static_cast<size_t>(nmem) * G * TILE / 2);
+        pbuf.assign(static_cast<size_t>(np) * TILE / 2, 0u);
         qw = qwbuf.data();
         vt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(vbuf.data()) + 63) & ~uintptr_t{63});
         pw = pbuf.data();
+        if (amx) {
+            qabuf.assign(static_cast<size_t>(a.Hkv) * np * D / 2, 0u);
+            obuf.resize(static_cast<size_t>(16) * D + 16);
+            qa = qabuf.data();
+            ot = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(obuf.data()) + 63) & ~uintptr_t{63});
+        }
     }
 #endif
-    sbuf.resize(static_cast<size_t>(nmem) * G * TILE + 16);
+    sbuf.resize(static_cast<size_t>(np) * TILE + 16);
     kbuf.resize(static_cast<size_t>(TILE) * std::max(D, 32) + 16);
     float* qs = qbuf.data();
     float* sc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf.data()) + 63) & ~uintptr_t{63});
@@ -501,8 +566,16 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
 #endif
     }
 #if defined(PREFIXSERVE_BF16)
-    if constexpr (bf16_tiles)
+    if constexpr (bf16_tiles) {
         for (int i = 0; i < nmem * H; ++i) prefixserve_bf16::pack_q(qs + i * D, 1.f, D, qw + i * (D / 2));
+        if (amx) {         // KV head h's rows (member x / G, head h G + x % G) side by side, a block of rows a tile
+            for (int h = 0; h < a.Hkv; ++h)
+                for (int x = 0; x < nmem * G; ++x)
+                    std::memcpy(qa + (static_cast<int64_t>(h) * np + x) * (D / 2),
+                                qw + ((x / G) * H + h * G + x % G) * (D / 2), sizeof(uint32_t) * (D / 2));
+            prefixserve_amx::configure();
+        }
+    }
 #endif
     for (int i = 0; i < nmem * H; ++i) {
         part[i * PS] = -INFINITY;
@@ -533,9 +606,14 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
             }
 #if defined(PREFIXSERVE_BF16)
             if constexpr (bf16_tiles) {
-                const uint32_t* qrow[MAX_MEMBERS * MAX_GROUP];
-                for (int x = 0; x < r.n; ++x) qrow[x] = qw + ((x / G) * H + h * G + x % G) * (D / 2);
-                tile_bf16<NV>(r, qrow, krow, vrow, n, reinterpret_cast<uint32_t*>(kt), vt, pw, sc, TILE);
+                if (amx) {
+                    tile_amx<NV>(r, qa + static_cast<int64_t>(h) * np * (D / 2), krow, vrow, n,
+                                 reinterpret_cast<uint32_t*>(kt), vt, pw, sc, ot);
+                } else {
+                    const uint32_t* qrow[MAX_MEMBERS * MAX_GROUP];
+                    for (int x = 0; x < r.n; ++x) qrow[x] = qw + ((x / G) * H + h * G + x % G) * (D / 2);
+                    tile_bf16<NV>(r, qrow, krow, vrow, n, reinterpret_cast<uint32_t*>(kt), vt, pw, sc, TILE);
+                }
             } else {
                 tile_avx512<KV, NV>(r, krow, vrow, n, kt, sc, TILE);
             }
@@ -548,6 +626,7 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
 #endif
         }
     }
+    if (amx) prefixserve_amx::release();
 #if defined(PREFIXSERVE_AVX2)
     if constexpr (slot<KV>(1) != 1) {                         // the accumulators back in dimension order
         float tmp[16];
@@ -675,10 +754,21 @@ int prefixserve_paged_decode(const float* q, const float* k, const float* v, int
 
 int prefixserve_num_threads() { return omp_get_max_threads(); }
 
-// The loops this build runs: "avx512_bf16" (bf16 products over bf16 caches of a head_dim that is a multiple of 32,
-// float32 ones otherwise),
+// Which tiles a bf16 cache's items take from now on, process-wide for this build (tiles_mode above: 0 the build's
+// best, 1 the vector tiles, 2 the AMX tiles for items of 16 rows or more, emulated without AMX); returns the previous
+// setting, or -1 (nothing changed) for another value.
+int prefixserve_paged_decode_set_tiles(int tiles) {
+    if (tiles < 0 || tiles > 2) return -1;
+    return tiles_mode.exchange(tiles);
+}
+
+// The loops this build runs: "amx" (as avx512_bf16, and a cascade group's items of 16 rows or more as AMX tiles),
+// "avx512_bf16" (bf16 products over bf16 caches of a head_dim that is a multiple of 32, float32 ones otherwise),
 // "avx512", "avx2" or "generic".
 const char* prefixserve_paged_decode_path() {
+#if defined(PREFIXSERVE_AMX)
+    if (prefixserve_amx::available()) return "amx";
+#endif
 #if defined(PREFIXSERVE_BF16)
     return "avx512_bf16";
 #elif defined(__AVX512F__)

@@ -11,7 +11,12 @@ strides and makes the work plan (`plan`); the C++ file has the algorithm.
 NOTE: products. Over a bf16 cache (head_dim a multiple of 32), an AVX-512 BF16 build (path "avx512_bf16") computes
 scores and values as bf16 dot products (vdpbf16ps, the prefill kernel's tiles: kernels/cpu/bf16_tile.h), q * scale
 and the softmax weights rounded to bf16, the running max, sum and accumulators float32; agreement criterion: within
-0.5% of the largest |V| of the float64 reference, as the prefill kernel's bf16 tiles. Every other build and
+0.5% of the largest |V| of the float64 reference, as the prefill kernel's bf16 tiles. On an AMX build (path "amx"),
+an item of 16 query rows or more (a cascade group's members over their shared prefix: 6 or more sequences at 3
+query heads a KV head) runs the same tile's two products as AMX tiles on blocks of 16 rows (kernels/cpu/amx_tile.h;
+the same packing, rounding and softmax, float32 sums in another order: the same criterion); `set_tiles` forces them
+on any build with AVX-512 BF16, emulated, which is how the tests check them on CPUs without AMX (not run on AMX
+silicon yet, speed not measured). Every other build and
 head_dim, and float32 caches everywhere, keep float32 products (within float32 rounding). Measured on a Zen 4, in
 process, the two builds alternating: the offline throughput load 487 / 500 -> 530 / 517 tok/s; 15 sequences sharing
 a 3,072-token prefix (cascade), 30 layers: 34-44 -> 31-34 ms. Once, bf16 products were taken out: rounding each
@@ -182,10 +187,22 @@ class PagedDecode:
         f.restype = ctypes.c_int
         self._fn = f
         lib.prefixserve_paged_decode_path.restype = ctypes.c_char_p
-        # the loops it runs: avx512_bf16, avx512, avx2, generic
+        # the loops it runs: amx, avx512_bf16, avx512, avx2, generic
         self.path: str = lib.prefixserve_paged_decode_path().decode()
+        self._set_tiles = lib.prefixserve_paged_decode_set_tiles
+        self._set_tiles.argtypes = [i]
+        self._set_tiles.restype = i
         self.num_threads = lib.prefixserve_num_threads               # its OpenMP threads (torch's)
         self.num_threads.restype = ctypes.c_int
+
+    def set_tiles(self, tiles: int) -> int:
+        """Which tiles this build's calls take from now on, process-wide (a test hook; kernels/cpu/paged_prefill.py
+        BEST, VECTOR, AMX: AMX runs a cascade group's items of 16 rows or more as AMX tiles, emulated on a build with
+        AVX-512 BF16 and no AMX); returns the previous setting."""
+        previous = self._set_tiles(tiles)
+        if previous < 0:
+            raise ValueError(f"tiles must be 0, 1 or 2, not {tiles}")
+        return previous
 
     def _call(self, q: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, key_cache: torch.Tensor,
               value_cache: torch.Tensor, p: DecodePlan, scale: float, out: torch.Tensor) -> None:

@@ -394,9 +394,9 @@ struct Bf16Tiles {
 // AMX tiles (D = 16 NV, NV even) over a bf16 cache: the same packing, softmax and rounding as the bf16 tiles, the
 // two products as TDPBF16PS on blocks of 16 rows (amx_tile.h; emulated on a build without AMX, for the tests).
 //   scores: A = 16 rows of q * scale (bf16, 32 dimensions a tile), B = the packed K's 16 dimension pairs x 16 keys,
-//           C = 16 rows x 16 keys, one C tile a chunk of the tile's (up to 4): tmm0-3 scores, tmm4 q, tmm5-7 K;
+//           C = 16 rows x 16 keys, one C tile a chunk of the tile's (up to 4): amx_tile.h scores_block;
 //   values: A = 16 rows' weights over 32 keys (bf16 pairs), B = the packed V's 16 key pairs x 16 dimensions,
-//           C = 16 rows x 16 dimensions, four at a time (tmm0-3), added to the accumulators as acc alpha + C.
+//           C = 16 rows x 16 dimensions, four at a time, added to the accumulators as acc alpha + C: values_block.
 // A row's arithmetic does not depend on the other rows of its block (a C row is its A row times B), so the tiles
 // keep the chunk, cache, cascade and thread invariance of the bf16 tiles; they differ from them only in the order
 // of the float32 sums (criterion: the same 0.5% of the largest |V| against float64).
@@ -427,51 +427,10 @@ struct AmxTiles {
     void set_q(int x, const float* src, float scale) {
         prefixserve_bf16::pack_q(src, scale, D, qw + static_cast<int64_t>(x) * W);
     }
-    // scores of rows [r0, r0 + 16) over the tile's chunks (1 to 4) into sc
-    void scores(int r0, int chunks) {
-        const uint32_t* q = qw + static_cast<int64_t>(r0) * W;
-        AMX_ZERO(0); AMX_ZERO(1); AMX_ZERO(2); AMX_ZERO(3);
-        for (int w0 = 0; w0 < W; w0 += 16) {
-            AMX_LOAD(4, q + w0, W * 4);
-            AMX_LOAD(5, kt + w0 * 16, 64);
-            AMX_DP(0, 4, 5);
-            if (chunks > 1) { AMX_LOAD(6, kt + (W + w0) * 16, 64); AMX_DP(1, 4, 6); }
-            if (chunks > 2) { AMX_LOAD(7, kt + (2 * W + w0) * 16, 64); AMX_DP(2, 4, 7); }
-            if (chunks > 3) { AMX_LOAD(5, kt + (3 * W + w0) * 16, 64); AMX_DP(3, 4, 5); }
-        }
-        float* s = sc + static_cast<int64_t>(r0) * TILE;
-        AMX_STORE(0, s, TILE * 4);
-        if (chunks > 1) AMX_STORE(1, s + 16, TILE * 4);
-        if (chunks > 2) AMX_STORE(2, s + 32, TILE * 4);
-        if (chunks > 3) AMX_STORE(3, s + 48, TILE * 4);
-    }
     // the weights of rows [r0, r0 + 16) times the tile's V (blocks of 16 key pairs) into ot, then acc = acc alpha + ot
     // for those of rows [x0, nr)
     void values(int r0, int blocks, int x0, int nr, float* const* acc) {
-        const uint32_t* p = pw + static_cast<int64_t>(r0) * PAIRS;
-        for (int v0 = 0; v0 < NV; v0 += 4) {
-            AMX_ZERO(0); AMX_ZERO(1); AMX_ZERO(2); AMX_ZERO(3);
-            for (int b = 0; b < blocks; ++b) {
-                const uint32_t* v = vt + (static_cast<int64_t>(16 * b) * NV + v0) * 16;
-                AMX_LOAD(4, p + 16 * b, PAIRS * 4);
-                AMX_LOAD(5, v, NV * 64);
-                AMX_DP(0, 4, 5);
-                AMX_LOAD(6, v + 16, NV * 64);
-                AMX_DP(1, 4, 6);
-                if (v0 + 2 < NV) {
-                    AMX_LOAD(7, v + 32, NV * 64);
-                    AMX_DP(2, 4, 7);
-                    AMX_LOAD(5, v + 48, NV * 64);
-                    AMX_DP(3, 4, 5);
-                }
-            }
-            AMX_STORE(0, ot + 16 * v0, D * 4);
-            AMX_STORE(1, ot + 16 * (v0 + 1), D * 4);
-            if (v0 + 2 < NV) {
-                AMX_STORE(2, ot + 16 * (v0 + 2), D * 4);
-                AMX_STORE(3, ot + 16 * (v0 + 3), D * 4);
-            }
-        }
+        prefixserve_amx::values_block(pw + static_cast<int64_t>(r0) * PAIRS, PAIRS, vt, NV, blocks, ot);
         for (int x = std::max(r0, x0); x < std::min(r0 + 16, nr); ++x) {
             const __m512 a = _mm512_set1_ps(alpha[x]);
             const float* o = ot + static_cast<int64_t>(x - r0) * D;
@@ -489,7 +448,9 @@ struct AmxTiles {
         if (pairs < 16 * blocks)      // the last V block's rows past the tile's pairs: zero, not stale (0 x NaN)
             std::memset(vt + static_cast<int64_t>(pairs) * D, 0, sizeof(uint32_t) * (16 * blocks - pairs) * D);
         const int b0 = x0 / 16 * 16;
-        for (int r0 = b0; r0 < nr; r0 += 16) scores(r0, chunks);
+        for (int r0 = b0; r0 < nr; r0 += 16)
+            prefixserve_amx::scores_block(qw + static_cast<int64_t>(r0) * W, W, kt, W, chunks,
+                                          sc + static_cast<int64_t>(r0) * TILE, TILE);
         bf16_weights(sc, n, t0, x0, nr, pos, mx, sum, alpha, top, pw);
         for (int r0 = b0; r0 < nr; r0 += 16) values(r0, blocks, x0, nr, acc);
     }

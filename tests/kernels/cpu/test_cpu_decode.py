@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu.library import CpuKernels
+from kernels.cpu.library import CpuKernels, load
 from kernels.cpu.paged_decode import MAX_MEMBERS, MIN_BLOCKS_PER_SPLIT, plan
+from kernels.cpu.paged_prefill import AMX, VECTOR
 from tests.kernels.batch import PagedBatch, make_batch, make_metadata, pairwise, rebuild
+from tests.kernels.cpu.conftest import VARIANTS
 from tests.kernels.reference import default_scale, ref_attention
 
 MIXED = [1, 17, 1025]
@@ -21,7 +23,7 @@ def tolerance(k: CpuKernels, b: PagedBatch) -> dict[str, float]:
     AVX-512 BF16 build over a bf16 cache, head_dim a multiple of 32: q * scale and the softmax weights rounded to
     bf16) within 0.5% of the largest |V|, the prefill kernel's bf16 criterion (the output is a weighted mean of V
     rows)."""
-    if k.decode.path == "avx512_bf16" and b.key_cache.dtype == torch.bfloat16 and b.q.shape[2] % 32 == 0:
+    if k.decode.path in ("avx512_bf16", "amx") and b.key_cache.dtype == torch.bfloat16 and b.q.shape[2] % 32 == 0:
         return {"atol": 5e-3 * b.value_cache.float().nan_to_num(0).abs().amax().item(), "rtol": 0.0}
     return {"atol": 2e-5, "rtol": 2e-5}
 
@@ -66,7 +68,8 @@ def test_cpu_decode_is_invariant_to_block_layout(cpu: CpuKernels) -> None:
     for block_size, seed in ((1, 1), (16, 2), (32, 3)):
         other = rebuild(b16, block_size, seed)
         assert other.tables != b16.tables
-        torch.testing.assert_close(run(cpu, other, 1), base, **(tolerance(cpu, b16) if cpu.decode.path == "avx512_bf16"
+        bf16 = cpu.decode.path in ("avx512_bf16", "amx")
+        torch.testing.assert_close(run(cpu, other, 1), base, **(tolerance(cpu, b16) if bf16
                                                                 else {"atol": 1e-5, "rtol": 1e-5}))
     same = rebuild(b16, 16, 9)                                   # same block size, another order: identical
     torch.testing.assert_close(run(cpu, same, 1), base, atol=0, rtol=0)
@@ -98,8 +101,9 @@ def test_every_variant_matches_reference(variant: CpuKernels, dtype: torch.dtype
     b = shared_prefix_batch(11, block_size=block_size, dtype=dtype) if head_dim == 64 else make_batch(
         MIXED, [1, 1, 1], num_heads=6, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype,
         seed=4, device="cpu")
-    want = {"portable": "generic", "avx2": "avx2", "avx512": "avx512"}.get(variant.variant, "avx512_bf16")
-    assert variant.decode.path == want                       # the build runs the loops of its instruction set
+    want = {"portable": {"generic"}, "avx2": {"avx2"}, "avx512": {"avx512"},
+            "amx": {"amx", "avx512_bf16"}}.get(variant.variant, {"avx512_bf16"})   # amx: where Linux grants AMX
+    assert variant.decode.path in want                       # the build runs the loops of its instruction set
     check(variant, b, run(variant, b))
     check(variant, b, run(variant, b, cascade=False))
 
@@ -210,3 +214,45 @@ def test_a_step_without_shared_prefixes_plans_in_numpy(monkeypatch: pytest.Monke
     monkeypatch.undo()
     tables[1, :3] = tables[0, :3]                            # two alike: the search runs, and finds them
     assert plan(tables, lens, None, 16, threads=2).shared_blocks == 3
+
+
+BF16_BUILDS = [v for v in VARIANTS if load(v).decode.path in ("avx512_bf16", "amx")]
+
+
+def with_tiles(k: CpuKernels, tiles: int, b: PagedBatch, **kw: object) -> torch.Tensor:
+    previous = k.decode.set_tiles(tiles)
+    try:
+        return run(k, b, **kw)  # type: ignore[arg-type]
+    finally:
+        k.decode.set_tiles(previous)
+
+
+@pytest.mark.parametrize("build", BF16_BUILDS or [None])
+@pytest.mark.parametrize("head_dim,heads", [(64, 3), (32, 4), (128, 2), (96, 1)])
+def test_amx_tiles_take_a_cascade_groups_items(build: str | None, head_dim: int, heads: int) -> None:
+    """A cascade group of 19 sequences (items of 16 and 3 members) over a shared prefix, with the AMX tiles forced
+    (real on an AMX build, emulated elsewhere): within the criterion of float64 and of the vector tiles, not their
+    bits where an item has 16 rows or more (the AMX code ran), and the plain plan's items (a sequence's own rows,
+    under 16) bit for bit the vector tiles'."""
+    if build is None:
+        pytest.skip("no build with bf16 products runs here")
+    k = load(build)
+    lens = [6 * 8 + 1 + 7 * i for i in range(19)] + [40, 3]
+    b = make_batch(lens, [1] * len(lens), num_heads=2 * heads, num_kv_heads=2, head_dim=head_dim, block_size=8,
+                   dtype=torch.bfloat16, seed=head_dim + heads, device="cpu")
+    tables = [list(t) for t in b.tables]
+    for s in range(1, 19):
+        tables[s][:6] = tables[0][:6]
+    b = PagedBatch(b.q, b.key, b.value, b.key_cache, b.value_cache,
+                   make_metadata(lens, [1] * len(lens), tables, 8, "cpu"), tables)
+    amx, vec = with_tiles(k, AMX, b), with_tiles(k, VECTOR, b)
+    check(k, b, amx)
+    torch.testing.assert_close(amx, vec, **tolerance(k, b))
+    assert not torch.equal(amx, vec)
+    assert torch.equal(with_tiles(k, AMX, b, cascade=False, split_blocks=4),
+                       with_tiles(k, VECTOR, b, cascade=False, split_blocks=4))
+
+
+def test_set_tiles_refuses_other_values(cpu: CpuKernels) -> None:
+    with pytest.raises(ValueError):
+        cpu.decode.set_tiles(3)
