@@ -16,20 +16,25 @@ editable install: `make kernels` rebuilds), or a missing build.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import json
+import logging
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernels.cpu import amx_check
 from kernels.cpu.build import KERNELS, MANIFEST, SOURCES, source_digest, variants
 from kernels.cpu.fused import Fused
 from kernels.cpu.int4_gemm import Int4Gemm
 from kernels.cpu.layers import LayerHalves
 from kernels.cpu.logits import Logits
 from kernels.cpu.paged_decode import PagedDecode
-from kernels.cpu.paged_prefill import PagedPrefill
+from kernels.cpu.paged_prefill import VECTOR, PagedPrefill
 
+log = logging.getLogger(__name__)
 LIB_DIR = SOURCES / "lib"
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -119,8 +124,25 @@ def load(requested: str = "auto", directory: Path = LIB_DIR) -> CpuKernels:
     paths = {"paged_decode": decode.path, "paged_prefill": prefill.path(), "fused": fused.path, "logits": logits.path,
              "int4_gemm": int4.path}
     layers = LayerHalves(libs["layers"], libs["int4_gemm"], libs["fused"], libs["paged_decode"])
-    return CpuKernels(variant, m.get("compiler_version") or m.get("compiler", ""), decode, prefill, fused, logits,
-                      int4, layers, paths)
+    return settle_amx_tiles(CpuKernels(variant, m.get("compiler_version") or m.get("compiler", ""), decode, prefill,
+                                       fused, logits, int4, layers, paths))
+
+
+def settle_amx_tiles(k: CpuKernels,
+                     check: Callable[[PagedPrefill, PagedDecode], str | None] = amx_check.disagreement) -> CpuKernels:
+    """A build whose attention takes AMX tiles keeps them if they pass their start check (kernels/cpu/amx_check.py:
+    the same small prefill and cascade decode as the vector tiles, within the bf16 criterion); else it runs the
+    vector tiles, says why in its paths, and warns."""
+    if "amx" not in (k.paths.get("paged_prefill"), k.paths.get("paged_decode")):
+        return k
+    why = check(k.prefill, k.decode)
+    if why is None:
+        return k
+    log.warning("the AMX attention tiles disagree with the vector tiles (%s): running the vector tiles", why)
+    k.decode.set_tiles(VECTOR)
+    off = f"avx512_bf16 (AMX tiles off: their start check failed: {why})"
+    return dataclasses.replace(k, prefill=k.prefill.with_tiles(VECTOR),
+                               paths={**k.paths, "paged_prefill": off, "paged_decode": off})
 
 
 def built_variants(directory: Path = LIB_DIR) -> list[str]:
@@ -137,4 +159,4 @@ def runnable_variants(directory: Path = LIB_DIR) -> list[str]:
 
 
 __all__ = ["CpuKernels", "KernelUnavailable", "LIB_DIR", "choose", "cpu_flags", "load", "manifest",
-           "runnable_variants"]
+           "runnable_variants", "settle_amx_tiles"]

@@ -79,7 +79,8 @@ class PagedPrefill:
     def path(self, dtype: torch.dtype = torch.bfloat16, head_dim: int = 64) -> str:
         """The loops a cache of this dtype runs by default: amx or avx512_bf16 (bf16 products), avx512, avx2 or
         generic (float32)."""
-        return self._path(_DTYPES[dtype], head_dim).decode()
+        path = self._path(_DTYPES[dtype], head_dim).decode()
+        return "avx512_bf16" if path == "amx" and self.tiles == VECTOR else path
 
     def prefill(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, seqs: list[int],
