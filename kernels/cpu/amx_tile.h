@@ -51,8 +51,11 @@ inline void configure() {
     _tile_loadconfig(&c);
 }
 inline void release() { _tile_release(); }
-#define AMX_LOAD(t, p, stride) _tile_loadd(t, p, stride)
-#define AMX_STORE(t, p, stride) _tile_stored(t, p, stride)
+// GCC's tileloadd / tilestored intrinsics are asm statements that name only the address, not the memory behind it
+// (no "memory" clobber): without a compiler barrier, a store into a buffer (the packed K, say) may be emitted after
+// the tile load that reads it, or a read of the scores before the tile store that writes them.
+#define AMX_LOAD(t, p, stride) do { __asm__ volatile("" ::: "memory"); _tile_loadd(t, p, stride); } while (0)
+#define AMX_STORE(t, p, stride) do { _tile_stored(t, p, stride); __asm__ volatile("" ::: "memory"); } while (0)
 #define AMX_ZERO(t) _tile_zero(t)
 #define AMX_DP(c, a, b) _tile_dpbf16ps(c, a, b)
 #else
