@@ -258,6 +258,20 @@ void tile_avx512(const Rows& r, const KV* const* krow, const KV* const* vrow, in
 }
 
 #if defined(PREFIXSERVE_BF16)
+// Each row's online-softmax update over its scores of a tile (row_weights), then its weights as bf16 key pairs in
+// pw (TILE / 2 words a row, zero past the tile's keys); alpha: each row's rescale factor. For tile_bf16 and tile_amx.
+inline void bf16_weights(const Rows& r, float* sc, int sc_stride, int n, uint32_t* pw, float* alpha) {
+    const int chunks = (n + 15) / 16;
+    for (int x = 0; x < r.n; ++x) {
+        float* s = sc + x * sc_stride;
+        alpha[x] = row_weights(s, r.st[x], n, chunks);
+        uint32_t* pr = pw + x * (TILE / 2);
+        for (int c = 0; c < TILE / 16; c += 2)
+            prefixserve_bf16::pack_p(c < chunks ? _mm512_load_ps(s + c * 16) : _mm512_setzero_ps(),
+                                     c + 1 < chunks ? _mm512_load_ps(s + c * 16 + 16) : _mm512_setzero_ps(), pr + c * 8);
+    }
+}
+
 // The same tile over a bf16 cache with bf16 dot products (vdpbf16ps, float32 sums), as the prefill kernel's tiles
 // (bf16_tile.h): K transposed into dimension pairs, V interleaved into token pairs, the rows' queries (qw, q * scale
 // as bf16 pairs) and softmax weights rounded to bf16; the running max, sum and accumulators float32.
@@ -272,14 +286,9 @@ void tile_bf16(const Rows& r, const uint32_t* const* qw, const uint16_t* const* 
     float alpha[MAX_MEMBERS * MAX_GROUP];
     const uint32_t* prow[MAX_MEMBERS * MAX_GROUP];
     float* acc[MAX_MEMBERS * MAX_GROUP];
+    bf16_weights(r, sc, sc_stride, n, pw, alpha);
     for (int x = 0; x < r.n; ++x) {
-        float* s = sc + x * sc_stride;
-        alpha[x] = row_weights(s, r.st[x], n, chunks);
-        uint32_t* pr = pw + x * PAIRS;
-        for (int c = 0; c < TILE / 16; c += 2)
-            prefixserve_bf16::pack_p(c < chunks ? _mm512_load_ps(s + c * 16) : _mm512_setzero_ps(),
-                                     c + 1 < chunks ? _mm512_load_ps(s + c * 16 + 16) : _mm512_setzero_ps(), pr + c * 8);
-        prow[x] = pr;
+        prow[x] = pw + x * PAIRS;
         acc[x] = r.st[x] + 2;
     }
     prefixserve_bf16::values_rows<NV>(acc, alpha, prow, vt, (n + 1) / 2, r.n);
@@ -302,14 +311,7 @@ void tile_amx(const Rows& r, const uint32_t* qa, const uint16_t* const* krow, co
     for (int r0 = 0; r0 < r.n; r0 += 16)
         prefixserve_amx::scores_block(qa + static_cast<int64_t>(r0) * W, W, kt, W, chunks, sc + r0 * TILE, TILE);
     float alpha[MAX_MEMBERS * MAX_GROUP];
-    for (int x = 0; x < r.n; ++x) {
-        float* s = sc + x * TILE;
-        alpha[x] = row_weights(s, r.st[x], n, chunks);
-        uint32_t* pr = pw + x * PAIRS;
-        for (int c = 0; c < TILE / 16; c += 2)
-            prefixserve_bf16::pack_p(c < chunks ? _mm512_load_ps(s + c * 16) : _mm512_setzero_ps(),
-                                     c + 1 < chunks ? _mm512_load_ps(s + c * 16 + 16) : _mm512_setzero_ps(), pr + c * 8);
-    }
+    bf16_weights(r, sc, TILE, n, pw, alpha);
     for (int r0 = 0; r0 < r.n; r0 += 16) {
         prefixserve_amx::values_block(pw + r0 * PAIRS, PAIRS, vt, NV, blocks, ot);
         for (int x = r0; x < std::min(r0 + 16, r.n); ++x) {

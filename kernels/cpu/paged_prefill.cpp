@@ -401,32 +401,26 @@ struct Bf16Tiles {
 // keep the chunk, cache, cascade and thread invariance of the bf16 tiles; they differ from them only in the order
 // of the float32 sums (criterion: the same 0.5% of the largest |V| against float64).
 template <int NV>
-struct AmxTiles {
+struct AmxTiles : Bf16Tiles<NV> {      // the bf16 tiles' buffers, for whole blocks of 16 rows, and set_q
     static_assert(NV % 2 == 0, "AMX tiles take 32 dimensions a tile");
     static constexpr int W = 8 * NV, D = 16 * NV, PAIRS = TILE / 2;
-    static constexpr bool PREFETCH = false;
-    uint32_t *qw, *kt, *vt, *pw;
-    float *sc, *alpha, *top, *ot;
-    AmxTiles(int nr, int) {
-        const int np = (nr + 15) / 16 * 16;           // rows in whole blocks of 16; those past nr are zero
-        thread_local std::vector<uint32_t> qb, kb, vb, pb;
-        thread_local std::vector<float> sb, ab, tb, ob;
-        qw = aligned(qb, static_cast<size_t>(np) * W);
-        kt = aligned(kb, static_cast<size_t>(TILE) * W);
-        vt = aligned(vb, static_cast<size_t>(PAIRS) * D);
-        pw = aligned(pb, static_cast<size_t>(np) * PAIRS);
-        sc = aligned(sb, static_cast<size_t>(np) * TILE);
-        alpha = aligned(ab, np);
-        top = aligned(tb, np);
+    using Bf16Tiles<NV>::qw;
+    using Bf16Tiles<NV>::kt;
+    using Bf16Tiles<NV>::vt;
+    using Bf16Tiles<NV>::pw;
+    using Bf16Tiles<NV>::sc;
+    using Bf16Tiles<NV>::alpha;
+    using Bf16Tiles<NV>::top;
+    float* ot;
+    AmxTiles(int nr, int d) : Bf16Tiles<NV>((nr + 15) / 16 * 16, d) {
+        const int np = (nr + 15) / 16 * 16;           // the rows past nr (to a whole block) are zero
+        thread_local std::vector<float> ob;
         ot = aligned(ob, static_cast<size_t>(prefixserve_amx::ROWS) * D);
         std::memset(qw + static_cast<int64_t>(nr) * W, 0, sizeof(uint32_t) * (np - nr) * W);
         std::memset(pw, 0, sizeof(uint32_t) * np * PAIRS);
         prefixserve_amx::configure();
     }
     ~AmxTiles() { prefixserve_amx::release(); }
-    void set_q(int x, const float* src, float scale) {
-        prefixserve_bf16::pack_q(src, scale, D, qw + static_cast<int64_t>(x) * W);
-    }
     // the weights of rows [r0, r0 + 16) times the tile's V (blocks of 16 key pairs) into ot, then acc = acc alpha + ot
     // for those of rows [x0, nr)
     void values(int r0, int blocks, int x0, int nr, float* const* acc) {
@@ -554,6 +548,22 @@ void prefill(const Args& A, const Plan& p) {
     }
 }
 
+#if defined(PREFIXSERVE_BF16)
+// The prefill over a bf16 cache with tiles of bf16 dimension pairs (Bf16Tiles, AmxTiles) for head_dim 16 NV, NV in
+// 2, 4, 6, 8, 16; false for another head_dim.
+template <template <int> class Tiles>
+bool prefill_pairs(const Args& A, const Plan& p) {
+    switch (A.D / 16) {
+        case 2: prefill<Tiles<2>, uint16_t>(A, p); return true;
+        case 4: prefill<Tiles<4>, uint16_t>(A, p); return true;
+        case 6: prefill<Tiles<6>, uint16_t>(A, p); return true;
+        case 8: prefill<Tiles<8>, uint16_t>(A, p); return true;
+        case 16: prefill<Tiles<16>, uint16_t>(A, p); return true;
+        default: return false;
+    }
+}
+#endif
+
 // The AMX tiles take a bf16 cache whose head_dim is a multiple of 32 (16 NV, NV in 2, 4, 6, 8, 16): on an AMX build
 // where Linux grants the tile state (real), on any other AVX-512 BF16 build only when asked (emulated, tests).
 inline bool amx_takes(int kv_dtype, int D) {
@@ -611,23 +621,9 @@ int prefixserve_paged_prefill(const float* q, const void* kc, const void* vc, co
     if (kv_dtype == 0) { prefill<F32Tiles<float>, float>(A, p); return 0; }
 #if defined(PREFIXSERVE_BF16)
     if ((tiles == 2 && amx_takes(kv_dtype, D)) || (tiles == 0 && amx_default(kv_dtype, D))) {
-        switch (D / 16) {
-            case 2: prefill<AmxTiles<2>, uint16_t>(A, p); return 0;
-            case 4: prefill<AmxTiles<4>, uint16_t>(A, p); return 0;
-            case 6: prefill<AmxTiles<6>, uint16_t>(A, p); return 0;
-            case 8: prefill<AmxTiles<8>, uint16_t>(A, p); return 0;
-            case 16: prefill<AmxTiles<16>, uint16_t>(A, p); return 0;
-            default: break;
-        }
+        if (prefill_pairs<AmxTiles>(A, p)) return 0;
     }
-    switch (D / 16) {
-        case 2: prefill<Bf16Tiles<2>, uint16_t>(A, p); return 0;
-        case 4: prefill<Bf16Tiles<4>, uint16_t>(A, p); return 0;
-        case 6: prefill<Bf16Tiles<6>, uint16_t>(A, p); return 0;
-        case 8: prefill<Bf16Tiles<8>, uint16_t>(A, p); return 0;
-        case 16: prefill<Bf16Tiles<16>, uint16_t>(A, p); return 0;
-        default: break;
-    }
+    if (prefill_pairs<Bf16Tiles>(A, p)) return 0;
 #endif
     prefill<F32Tiles<uint16_t>, uint16_t>(A, p);
     return 0;
