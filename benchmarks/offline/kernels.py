@@ -215,7 +215,11 @@ def cpu_decode_row(batch: int, context: int, variants: list[str], gen: torch.Gen
     out = torch.empty_like(q)
     for v in variants:
         k = load(v)
-        torch.testing.assert_close(k.decode.decode(q, kc, vc, tables, lens, scale), want, atol=2e-4, rtol=2e-4)
+        # the kernel's criterion (kernels/cpu/paged_decode.py): bf16 products within 0.5% of the largest |V|,
+        # float32 ones within float32 rounding
+        tol = ({"atol": 0.005 * vc.float().abs().max().item(), "rtol": 0.0}
+               if k.decode.path in ("avx512_bf16", "amx") else {"atol": 2e-4, "rtol": 2e-4})
+        torch.testing.assert_close(k.decode.decode(q, kc, vc, tables, lens, scale), want, **tol)
         row[f"{v}_us"] = cpu_time_us(lambda k=k: k.decode._call(q, None, None, kc, vc, p, scale, out), iters)
     return row
 

@@ -292,3 +292,18 @@ def test_gemm_bench_through_cli(tmp_path: Path, capsys: pytest.CaptureFixture[st
     if qg.ONEDNN:                                   # one line a row count, from the ONEDNN_VERBOSE process
         assert sorted(k.split(" x ")[0] for k in saved["onednn"] if " x 576 x 3072 " in k) == ["1", "12"]
     assert "ISA:" in (tmp_path / "gemm.md").read_text() and (tmp_path / "gemm.png").stat().st_size > 0
+
+
+def test_kernels_bench_checks_each_cpu_build_by_its_own_criterion() -> None:
+    """`bench kernels --device cpu` checks every build's decode against torch's before timing it: an AVX-512 BF16
+    build's bf16 products by their criterion (0.5% of the largest |V|), not float32 rounding (which failed them)."""
+    import torch
+
+    from benchmarks.offline import kernels as kbench
+    from kernels.cpu.library import runnable_variants
+
+    variants = runnable_variants()
+    if not variants:
+        pytest.skip("no build of the C++ CPU kernels runs here")
+    row = kbench.cpu_decode_row(2, 1024, variants, torch.Generator().manual_seed(0))
+    assert all(row[f"{v}_us"] > 0 for v in variants)
