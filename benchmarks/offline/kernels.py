@@ -7,7 +7,8 @@ avx512, ...: kernels/cpu/library.py) against each other and against torch's fall
     prefixserve bench kernels --device cpu --quick       # the C++ CPU kernels, SmolLM2's attention shapes
 
 CPU: SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, bf16 cache, block size 16, shuffled
-blocks); decode for batch x context (one layer's call, median wall time of repeated calls, torch's threads);
+blocks); decode for batch x context (one layer's call, median wall time of repeated calls, torch's threads), and
+16 sequences decoding after a shared 3,072-token prefix (the cascade; on an AMX build, AMX tiles);
 prefill steps (16 sequences' 64-token chunks over a shared 3,072- or 8,192-token cached prefix, a cold
 1,024-token prompt; `--quick`: the 3,072 one) with and without cascade, and the K / V bytes each reads;
 the logits reductions (logsumexp + argmax, top-64) over [64, 49152] float32; the fused elementwise ops over 64
@@ -188,8 +189,10 @@ def cpu_time_us(fn: Callable[[], object], iters: int) -> float:
 CPU_HEADS, CPU_KV_HEADS, CPU_HEAD_DIM, CPU_BLOCK = 9, 3, 64, 16     # SmolLM2-135M's attention
 
 
-def cpu_decode_row(batch: int, context: int, variants: list[str], gen: torch.Generator) -> dict:
-    """One layer's decode call at batch x context: torch's fallback and every build, checked, then timed."""
+def cpu_decode_row(batch: int, context: int, variants: list[str], gen: torch.Generator, shared: int = 0) -> dict:
+    """One layer's decode call at batch x context: torch's fallback and every build, checked, then timed. shared:
+    the first tokens (whole blocks) every sequence's table has in common (a shared system prompt: the kernel's
+    cascade reads them once for all, and on an AMX build its items of 16 rows or more take AMX tiles)."""
     from kernels.cpu import paged_decode as cpu_decode
     from kernels.cpu.library import load
     from kernels.cpu_backend import CpuAttentionBackend
@@ -199,6 +202,7 @@ def cpu_decode_row(batch: int, context: int, variants: list[str], gen: torch.Gen
     scale = head_dim ** -0.5
     nb = -(-context // block)
     tables = torch.randperm(batch * nb, generator=gen).int().view(batch, nb).contiguous()
+    tables[:, :shared // block] = tables[0, :shared // block]
     kc = torch.randn(batch * nb, block, kv_heads, head_dim, generator=gen).bfloat16()
     vc = torch.randn(batch * nb, block, kv_heads, head_dim, generator=gen).bfloat16()
     q = torch.randn(batch, heads, head_dim, generator=gen)
@@ -209,8 +213,8 @@ def cpu_decode_row(batch: int, context: int, variants: list[str], gen: torch.Gen
     fallback = CpuAttentionBackend(None)
     want = fallback.forward(q, kc, vc, md, scale)
     iters = 20 if batch * context <= 32768 else 5
-    row = {"batch": batch, "context": context, "torch_us": cpu_time_us(lambda: fallback.forward(q, kc, vc, md, scale),
-                                                                       iters)}
+    row = {"batch": batch, "context": context, "shared": shared // block * block,
+           "torch_us": cpu_time_us(lambda: fallback.forward(q, kc, vc, md, scale), iters)}
     p = cpu_decode.plan(tables, lens, None, block)
     out = torch.empty_like(q)
     for v in variants:
@@ -289,6 +293,7 @@ def bench_cpu(quick: bool) -> None:
     batches, contexts = ([1, 32], [1024]) if quick else ([1, 16, 64], [256, 1024, 4096])
     gen = torch.Generator().manual_seed(0)
     rows = [cpu_decode_row(batch, context, variants, gen) for batch in batches for context in contexts]
+    rows.append(cpu_decode_row(16, 3072 + 64, variants, gen, shared=3072))    # the long3k load's decode steps
     prefill = [cpu_prefill_row(*shape, variants, gen) for shape in (CPU_PREFILL_QUICK if quick else CPU_PREFILL)]
     logits = torch.randn(64, 49152, generator=gen) * 4
     gate_up = torch.randn(64, 2 * 1536, generator=gen).bfloat16()
@@ -316,7 +321,8 @@ def bench_cpu(quick: bool) -> None:
              "| batch | context | torch (gather + SDPA) | " + " | ".join(variants) + " |",
              "|---:|---:|---:|" + "---:|" * len(variants)]
     for row in rows:
-        lines.append(f"| {row['batch']} | {row['context']} | {row['torch_us']:.0f} | "
+        context = f"{row['context']} ({row['shared']} shared)" if row.get("shared") else str(row["context"])
+        lines.append(f"| {row['batch']} | {context} | {row['torch_us']:.0f} | "
                      + " | ".join(f"{row[f'{v}_us']:.0f}" for v in variants) + " |")
     lines += ["", "## Paged prefill (the same shapes; one layer's call: every chunk of the step over its context)", "",
               "Chunks of `new` tokens of `seqs` sequences over the same cached `prefix` blocks. ms: median wall "

@@ -305,5 +305,6 @@ def test_kernels_bench_checks_each_cpu_build_by_its_own_criterion() -> None:
     variants = runnable_variants()
     if not variants:
         pytest.skip("no build of the C++ CPU kernels runs here")
-    row = kbench.cpu_decode_row(2, 1024, variants, torch.Generator().manual_seed(0))
-    assert all(row[f"{v}_us"] > 0 for v in variants)
+    for shared in (0, 512):     # each sequence its own blocks; a shared prefix (the cascade) checked too
+        row = kbench.cpu_decode_row(6, 1024, variants, torch.Generator().manual_seed(0), shared=shared)
+        assert row["shared"] == shared and all(row[f"{v}_us"] > 0 for v in variants)
