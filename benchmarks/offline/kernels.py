@@ -195,6 +195,7 @@ def cpu_decode_row(batch: int, context: int, variants: list[str], gen: torch.Gen
     cascade reads them once for all, and on an AMX build its items of 16 rows or more take AMX tiles)."""
     from kernels.cpu import paged_decode as cpu_decode
     from kernels.cpu.library import load
+    from kernels.cpu.paged_prefill import BF16_PATHS
     from kernels.cpu_backend import CpuAttentionBackend
     from kernels.metadata import AttentionMetadata
 
@@ -222,7 +223,7 @@ def cpu_decode_row(batch: int, context: int, variants: list[str], gen: torch.Gen
         # the kernel's criterion (kernels/cpu/paged_decode.py): bf16 products within 0.5% of the largest |V|,
         # float32 ones within float32 rounding
         tol = ({"atol": 0.005 * vc.float().abs().max().item(), "rtol": 0.0}
-               if k.decode.path in ("avx512_bf16", "amx") else {"atol": 2e-4, "rtol": 2e-4})
+               if k.decode.path in BF16_PATHS else {"atol": 2e-4, "rtol": 2e-4})
         torch.testing.assert_close(k.decode.decode(q, kc, vc, tables, lens, scale), want, **tol)
         row[f"{v}_us"] = cpu_time_us(lambda k=k: k.decode._call(q, None, None, kc, vc, p, scale, out), iters)
     return row
@@ -240,6 +241,7 @@ def cpu_prefill_row(seqs: int, prefix: int, new: int, variants: list[str], gen: 
     attention) and every build with and without cascade, checked against the fallback, then timed. Also the
     K / V bytes each reads (per layer) and the least any can read: the prefix and each suffix once."""
     from kernels.cpu.library import load
+    from kernels.cpu.paged_prefill import BF16_PATHS
     from kernels.cpu_backend import CpuAttentionBackend
     from kernels.metadata import AttentionMetadata
 
@@ -275,7 +277,7 @@ def cpu_prefill_row(seqs: int, prefix: int, new: int, variants: list[str], gen: 
             stats = k.prefill.prefill_stats(q, kc, vc, tables, lens, starts, list(range(seqs)), scale, out,
                                             cascade=cascade)
             assert stats is not None
-            tol = 0.005 * vmax if k.prefill.path(torch.bfloat16) in ("avx512_bf16", "amx") else 1e-4
+            tol = 0.005 * vmax if k.prefill.path(torch.bfloat16) in BF16_PATHS else 1e-4
             torch.testing.assert_close(out, want, atol=tol, rtol=0)
             row[f"{name}_ms"] = cpu_time_us(lambda k=k, c=cascade: k.prefill.prefill(
                 q, kc, vc, tables, lens, starts, list(range(seqs)), scale, out, cascade=c), iters) / 1e3

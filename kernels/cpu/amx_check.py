@@ -54,11 +54,8 @@ def decode_error(decode: PagedDecode) -> float:
     q = torch.randn(8, HEADS, HEAD_DIM, generator=g)
     outs = []
     for tiles in (AMX, VECTOR):
-        previous = decode.set_tiles(tiles)
-        try:
+        with decode.forced_tiles(tiles):
             outs.append(decode.decode(q, kc, vc, tables, lens, HEAD_DIM ** -0.5))
-        finally:
-            decode.set_tiles(previous)
     return _error(outs[0], outs[1], vc)
 
 

@@ -542,11 +542,12 @@ void run_item(const Args& a, const int32_t* members, int nmem, int b0, int b1, f
     if constexpr (bf16_tiles) {
         qwbuf.resize(static_cast<size_t>(nmem) * H * D / 2);
         vbuf.resize(static_cast<size_t>(TILE / 2) * D + 16);
-        pbuf.assign(static_cast<size_t>(np) * TILE / 2, 0u);
+        pbuf.resize(static_cast<size_t>(np) * TILE / 2);
         qw = qwbuf.data();
         vt = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(vbuf.data()) + 63) & ~uintptr_t{63});
         pw = pbuf.data();
-        if (amx) {
+        if (amx) {         // the rows past the item's (to a whole block): zero q and weights
+            std::fill(pbuf.begin() + static_cast<int64_t>(nmem) * G * TILE / 2, pbuf.end(), 0u);
             qabuf.assign(static_cast<size_t>(a.Hkv) * np * D / 2, 0u);
             obuf.resize(static_cast<size_t>(16) * D + 16);
             qa = qabuf.data();

@@ -56,7 +56,9 @@ own context only, bit for bit, whatever else the step holds (the batch-invariant
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -203,6 +205,15 @@ class PagedDecode:
         if previous < 0:
             raise ValueError(f"tiles must be 0, 1 or 2, not {tiles}")
         return previous
+
+    @contextlib.contextmanager
+    def forced_tiles(self, tiles: int) -> Iterator[None]:
+        """`set_tiles(tiles)` for the block, the previous setting back after it."""
+        previous = self.set_tiles(tiles)
+        try:
+            yield
+        finally:
+            self.set_tiles(previous)
 
     def _call(self, q: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, key_cache: torch.Tensor,
               value_cache: torch.Tensor, p: DecodePlan, scale: float, out: torch.Tensor) -> None:

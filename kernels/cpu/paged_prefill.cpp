@@ -413,11 +413,11 @@ struct AmxTiles : Bf16Tiles<NV> {      // the bf16 tiles' buffers, for whole blo
     using Bf16Tiles<NV>::top;
     float* ot;
     AmxTiles(int nr, int d) : Bf16Tiles<NV>((nr + 15) / 16 * 16, d) {
-        const int np = (nr + 15) / 16 * 16;           // the rows past nr (to a whole block) are zero
+        const int np = (nr + 15) / 16 * 16;           // the rows past nr (to a whole block) are zero: q and weights
         thread_local std::vector<float> ob;
         ot = aligned(ob, static_cast<size_t>(prefixserve_amx::ROWS) * D);
         std::memset(qw + static_cast<int64_t>(nr) * W, 0, sizeof(uint32_t) * (np - nr) * W);
-        std::memset(pw, 0, sizeof(uint32_t) * np * PAIRS);
+        std::memset(pw + static_cast<int64_t>(nr) * PAIRS, 0, sizeof(uint32_t) * (np - nr) * PAIRS);
         prefixserve_amx::configure();
     }
     ~AmxTiles() { prefixserve_amx::release(); }
@@ -629,10 +629,11 @@ int prefixserve_paged_prefill(const float* q, const void* kc, const void* vc, co
     return 0;
 }
 
-// The loops a cache dtype runs by default: "amx" (bf16 products as AMX tiles), "avx512_bf16" (bf16 products),
-// "avx512", "avx2" or "generic" (float32 products).
-const char* prefixserve_paged_prefill_path(int kv_dtype, int head_dim) {
-    if (amx_default(kv_dtype, head_dim)) return "amx";
+// The loops a cache dtype runs with `tiles` (as prefixserve_paged_prefill's): "amx" (bf16 products as AMX tiles),
+// "avx512_bf16" (bf16 products), "avx512", "avx2" or "generic" (float32 products).
+const char* prefixserve_paged_prefill_path(int kv_dtype, int head_dim, int tiles) {
+    if ((tiles == 0 && amx_default(kv_dtype, head_dim)) || (tiles == 2 && amx_takes(kv_dtype, head_dim)))
+        return "amx";
 #if defined(PREFIXSERVE_BF16)
     if (kv_dtype == 1 && head_dim % 32 == 0 && (head_dim / 16 == 2 || head_dim / 16 == 4 || head_dim / 16 == 6 ||
                                                 head_dim / 16 == 8 || head_dim / 16 == 16))

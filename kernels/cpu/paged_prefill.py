@@ -39,6 +39,7 @@ import torch
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 BEST, VECTOR, AMX = 0, 1, 2      # `tiles`: the build's best loops, the vector tiles, the AMX tiles
+BF16_PATHS = ("avx512_bf16", "amx")   # the loops (`path`, and PagedDecode.path) whose products are bf16
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -67,7 +68,7 @@ class PagedPrefill:
         self._lib = lib
         self._fn = f
         self._path = lib.prefixserve_paged_prefill_path
-        self._path.argtypes = [i, i]
+        self._path.argtypes = [i, i, i]
         self._path.restype = ctypes.c_char_p
         self.tiles = tiles
 
@@ -77,10 +78,9 @@ class PagedPrefill:
         return PagedPrefill(self._lib, tiles)
 
     def path(self, dtype: torch.dtype = torch.bfloat16, head_dim: int = 64) -> str:
-        """The loops a cache of this dtype runs by default: amx or avx512_bf16 (bf16 products), avx512, avx2 or
-        generic (float32)."""
-        path = self._path(_DTYPES[dtype], head_dim).decode()
-        return "avx512_bf16" if path == "amx" and self.tiles == VECTOR else path
+        """The loops a cache of this dtype runs with these tiles: amx or avx512_bf16 (bf16 products), avx512, avx2
+        or generic (float32)."""
+        return self._path(_DTYPES[dtype], head_dim, self.tiles).decode()
 
     def prefill(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, seqs: list[int],
@@ -128,4 +128,4 @@ class PagedPrefill:
         return PrefillStats(groups, shared, keys)
 
 
-__all__ = ["AMX", "BEST", "VECTOR", "PagedPrefill", "PrefillStats", "supports"]
+__all__ = ["AMX", "BEST", "BF16_PATHS", "VECTOR", "PagedPrefill", "PrefillStats", "supports"]

@@ -11,9 +11,7 @@ import torch
 from kernels.cpu import amx_check
 from kernels.cpu.library import CpuKernels, load, settle_amx_tiles
 from kernels.cpu.paged_prefill import AMX, BEST, VECTOR
-from tests.kernels.cpu.conftest import VARIANTS
-
-BF16_BUILDS = [v for v in VARIANTS if load(v).decode.path in ("avx512_bf16", "amx")]
+from tests.kernels.cpu.conftest import BF16_BUILDS
 
 
 @pytest.fixture
@@ -56,14 +54,11 @@ def test_a_wrong_answer_fails_the_check(bf16: CpuKernels) -> None:
 def test_a_failed_check_turns_the_amx_tiles_off(bf16: CpuKernels) -> None:
     as_amx = dataclasses.replace(bf16, paths={**bf16.paths, "paged_prefill": "amx", "paged_decode": "amx"})
     assert settle_amx_tiles(as_amx, check=lambda p, d: None) is as_amx        # passed: kept as it is
-    previous = bf16.decode.set_tiles(AMX)
-    try:
+    with bf16.decode.forced_tiles(AMX):
         settled = settle_amx_tiles(as_amx, check=lambda p, d: "prefill 0.4 of the largest |V|")
         assert bf16.decode.set_tiles(AMX) == VECTOR                           # the decode kernel's tiles: vector
         assert settled.prefill.tiles == VECTOR and settled.prefill.path(torch.bfloat16) == "avx512_bf16"
         assert "AMX tiles off" in settled.paths["paged_prefill"] and "0.4" in settled.paths["paged_decode"]
-    finally:
-        bf16.decode.set_tiles(previous)
 
 
 def test_a_build_without_amx_tiles_is_not_checked(bf16: CpuKernels) -> None:

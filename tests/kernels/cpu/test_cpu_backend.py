@@ -8,6 +8,7 @@ import torch
 
 from kernels.cpu import paged_decode
 from kernels.cpu.library import CpuKernels, KernelUnavailable, load
+from kernels.cpu.paged_prefill import BF16_PATHS
 from kernels.cpu_backend import CpuAttentionBackend, extend_attention
 from kernels.torch_backend import TorchAttentionBackend
 from tests.kernels.batch import make_batch
@@ -42,7 +43,7 @@ def test_cpu_backend_matches_reference(case: int, dtype: torch.dtype, compiled: 
     # of the largest |V|
     prefill = torch.tensor([b.md.is_prefill(i) for i, q_len in enumerate(query_lens) for _ in range(q_len)])
     tight = torch.ones_like(prefill)
-    if compiled and load().prefill.path(dtype) in ("avx512_bf16", "amx"):
+    if compiled and load().prefill.path(dtype) in BF16_PATHS:
         tight &= ~prefill
     if compiled and dtype == torch.bfloat16 and load().decode.path == "avx512_bf16":
         tight &= prefill

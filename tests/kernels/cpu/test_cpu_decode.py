@@ -9,9 +9,9 @@ import torch
 
 from kernels.cpu.library import CpuKernels, load
 from kernels.cpu.paged_decode import MAX_MEMBERS, MIN_BLOCKS_PER_SPLIT, plan
-from kernels.cpu.paged_prefill import AMX, VECTOR
+from kernels.cpu.paged_prefill import AMX, BF16_PATHS, VECTOR
 from tests.kernels.batch import PagedBatch, make_batch, make_metadata, pairwise, rebuild
-from tests.kernels.cpu.conftest import VARIANTS
+from tests.kernels.cpu.conftest import BF16_BUILDS
 from tests.kernels.reference import default_scale, ref_attention
 
 MIXED = [1, 17, 1025]
@@ -23,7 +23,7 @@ def tolerance(k: CpuKernels, b: PagedBatch) -> dict[str, float]:
     AVX-512 BF16 build over a bf16 cache, head_dim a multiple of 32: q * scale and the softmax weights rounded to
     bf16) within 0.5% of the largest |V|, the prefill kernel's bf16 criterion (the output is a weighted mean of V
     rows)."""
-    if k.decode.path in ("avx512_bf16", "amx") and b.key_cache.dtype == torch.bfloat16 and b.q.shape[2] % 32 == 0:
+    if k.decode.path in BF16_PATHS and b.key_cache.dtype == torch.bfloat16 and b.q.shape[2] % 32 == 0:
         return {"atol": 5e-3 * b.value_cache.float().nan_to_num(0).abs().amax().item(), "rtol": 0.0}
     return {"atol": 2e-5, "rtol": 2e-5}
 
@@ -68,7 +68,7 @@ def test_cpu_decode_is_invariant_to_block_layout(cpu: CpuKernels) -> None:
     for block_size, seed in ((1, 1), (16, 2), (32, 3)):
         other = rebuild(b16, block_size, seed)
         assert other.tables != b16.tables
-        bf16 = cpu.decode.path in ("avx512_bf16", "amx")
+        bf16 = cpu.decode.path in BF16_PATHS
         torch.testing.assert_close(run(cpu, other, 1), base, **(tolerance(cpu, b16) if bf16
                                                                 else {"atol": 1e-5, "rtol": 1e-5}))
     same = rebuild(b16, 16, 9)                                   # same block size, another order: identical
@@ -216,15 +216,9 @@ def test_a_step_without_shared_prefixes_plans_in_numpy(monkeypatch: pytest.Monke
     assert plan(tables, lens, None, 16, threads=2).shared_blocks == 3
 
 
-BF16_BUILDS = [v for v in VARIANTS if load(v).decode.path in ("avx512_bf16", "amx")]
-
-
 def with_tiles(k: CpuKernels, tiles: int, b: PagedBatch, **kw: object) -> torch.Tensor:
-    previous = k.decode.set_tiles(tiles)
-    try:
+    with k.decode.forced_tiles(tiles):
         return run(k, b, **kw)  # type: ignore[arg-type]
-    finally:
-        k.decode.set_tiles(previous)
 
 
 @pytest.mark.parametrize("build", BF16_BUILDS or [None])

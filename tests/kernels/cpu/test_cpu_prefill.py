@@ -15,7 +15,7 @@ import torch
 from kernels.cpu import paged_prefill as pp
 from kernels.cpu.library import CpuKernels, load
 from tests.kernels.batch import PagedBatch, make_batch, make_metadata, pairwise, rebuild
-from tests.kernels.cpu.conftest import VARIANTS
+from tests.kernels.cpu.conftest import BF16_BUILDS, VARIANTS, kernels_of
 from tests.kernels.reference import default_scale, ref_attention
 
 # Tolerances against the float64 reference, as a share of the largest |V| (the output is a weighted mean of
@@ -24,21 +24,14 @@ from tests.kernels.reference import default_scale, ref_attention
 F32_TOL, BF16_TOL = 1e-5, 5e-3
 
 
-BF16_BUILDS = [v for v in VARIANTS if load(v).prefill.path(torch.bfloat16, 64) in ("avx512_bf16", "amx")]
-
-
 @pytest.fixture(params=[*VARIANTS, *(f"{v}+amx_tiles" for v in BF16_BUILDS)] or [None], ids=lambda v: v or "none-built")
 def variant(request: pytest.FixtureRequest) -> CpuKernels:
     """Every build this CPU runs, as conftest's, and the builds with bf16 products again with the AMX tiles."""
-    if request.param is None:
-        pytest.skip("no build of the C++ CPU kernels runs here (kernels/cpu/lib: make kernels)")
-    name, _, tiles = request.param.partition("+")
-    k = load(name)
-    return dataclasses.replace(k, prefill=k.prefill.with_tiles(pp.AMX)) if tiles else k
+    return kernels_of(request.param)
 
 
 def tolerance(k: CpuKernels, dtype: torch.dtype, head_dim: int) -> float:
-    return BF16_TOL if k.prefill.path(dtype, head_dim) in ("avx512_bf16", "amx") else F32_TOL
+    return BF16_TOL if k.prefill.path(dtype, head_dim) in pp.BF16_PATHS else F32_TOL
 
 
 def run(k: CpuKernels, b: PagedBatch, seqs: list[int] | None = None, scale: float | None = None,
