@@ -8,9 +8,9 @@ quantized modules (engine/models/quant.py) hold the packed weights.
     dense  the same weight for the GEMM a wide step runs, reordered once into oneDNN's blocked layout (what
            inductor's freezing does for CPU linears: on AVX-512 BF16, measured 15.5 / 44.7 ms a step at 16 / 64
            rows against 29.7 / 58.3 for F.linear, which reorders the weight every call; equal results):
-           in bfloat16 where oneDNN has a bfloat16 GEMM (AVX-512 BF16, AMX); in float32 elsewhere (AVX2,
-           AVX-512 without BF16), where a bfloat16 GEMM is emulated: measured on an AVX2 Zen 3, SmolLM2's four
-           projections of a layer at 64 / 256 / 1,024 rows took 23.9 / 92.0 / 366.6 ms through torch's
+           in bfloat16 where oneDNN has a native bfloat16 GEMM (AVX-512 BF16, AMX); in float32 elsewhere
+           (AVX2, AVX-512 without BF16), where a bfloat16 GEMM is emulated (`native_bf16`): measured on an AVX2
+           Zen 3, SmolLM2's four projections of a layer at 64 / 256 / 1,024 rows took 23.9 / 92.0 / 366.6 ms through torch's
            bfloat16 linear against 3.6 / 12.1 / 45.7 ms in float32 through oneDNN (`DENSE_DTYPE`)
     Int8ActHead   int8 weights x int8 activations (oneDNN's VNNI kernel), for a wide step's output projection
 
@@ -29,10 +29,23 @@ VNNI = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})    # an int8 dot produ
 GROUP = 32                       # the int4 group along the input dimension (GGUF's block size)
 ACT = torch.bfloat16             # the activations' dtype in and out of every quantized GEMM
 
-# oneDNN has a bfloat16 GEMM on this CPU (AVX-512 BF16 / AMX); elsewhere the wide path computes in float32.
+# The CPU flags of a native bfloat16 dot product, which oneDNN's bfloat16 GEMM needs to be fast.
+NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def native_bf16(flags: frozenset[str], onednn_bf16: bool) -> bool:
+    """Whether the dense GEMM of wide steps is bfloat16: oneDNN takes bfloat16 (`onednn_bf16`, torch's
+    `_is_mkldnn_bf16_supported`) and the CPU multiplies it natively. torch says yes on any AVX-512 CPU, where
+    oneDNN emulates it: on an AVX-512 Xeon without BF16 (Cascade Lake, 2 cores) SmolLM2's 576 x 1,536 projection at
+    1,024 rows ran at 48.6 GFLOPS through torch's bfloat16 linear against 232.8 in float32, and a 3,137-token
+    prefill took 16.8 s in process with the bfloat16 dense GEMM."""
+    return onednn_bf16 and bool(NATIVE_BF16 & flags)
+
+
+# oneDNN has a native bfloat16 GEMM on this CPU (AVX-512 BF16 / AMX); elsewhere the wide path computes in float32.
 # Constants, read by the compiled decode graph too.
 ONEDNN = torch.backends.mkldnn.is_available()
-ONEDNN_BF16 = ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+ONEDNN_BF16 = native_bf16(cpu_flags(), ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 DENSE_DTYPE = torch.bfloat16 if ONEDNN_BF16 else torch.float32
 # Steps of this many rows or more use the dense weight (by default): where the int4 kernel (a matrix-vector
 # product a row) and the dense GEMM cost the same over SmolLM2's 120 projections, weights cold. AVX-512 BF16
@@ -56,10 +69,10 @@ BF16_GEMM_FROM_ROWS = 1
 # either: the AMX Xeon's profile in issue 36 found it 40% of the engine thread in the shared-prefix load). On a
 # Zen 4 given AMX's flags (this dispatch, its own kernels), in process, greedy decode after a 64-token prompt: 1 / 4
 # / 8 streams at 127.9 / 400.3 / 579.1 tok/s against 93.9 / 268.2 / 336.8 with torch's int4 kernel op by op (medians
-# of four, alternating). The crossover is not measured on an AMX CPU (none here): the dense GEMM's,
-# DENSE_FROM_ROWS, where a step starts to be compute-bound rather than bound by the weights' bytes
-# (Ops.bf16_gemm_step).
-AMX_DENSE_FROM_ROWS = DENSE_FROM_ROWS
+# of four, alternating). The crossover is not measured on an AMX CPU (none here): the bfloat16 dense GEMM's
+# DENSE_FROM_ROWS (10; an AMX CPU has a native bfloat16 GEMM), where a step starts to be compute-bound rather than
+# bound by the weights' bytes (Ops.bf16_gemm_step).
+AMX_DENSE_FROM_ROWS = 10
 INT8_HEAD_FROM_ROWS = 4
 
 
