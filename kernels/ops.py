@@ -115,6 +115,9 @@ class Ops:
         # traced graph (a ctypes call), not in the batch-invariant mode (its int4 kernel is torch's, tested so)
         self._int4 = None if self.cpu is None or config.traced or config.batch_invariant or \
             qg.DENSE_DTYPE != torch.float32 else self.cpu.int4
+        # its wide kernel has AVX-512 loops: it takes decode steps from WIDE512_FROM_ROWS rows and torch's int4 kernel
+        # the narrower ones (kernels/quant_gemm.py)
+        self._wide512 = self._int4 is not None and self._int4.wide_path == "avx512"
         # the int4 x bfloat16 GEMM (kernels/cpu/int4_gemm.py gemm_bf16), where the dense GEMM is oneDNN's bfloat16
         # one and the build has AVX-512 BF16: not traced, not batch-invariant (as above)
         self._int4_bf16 = None if self.cpu is None or config.traced or config.batch_invariant or \
@@ -145,9 +148,12 @@ class Ops:
                          if self._amx_dense_from is None else
                          f"c++ int4 x bf16 gemm for decode steps below {self._amx_dense_from} rows, bfloat16 "
                          "(oneDNN, AMX) for prompt chunks and wider steps (GGUF int4 layers); other layers: ")
+            own_int4 = ("" if self._int4 is None else
+                        f"c++ int4 gemm_wide ({self._int4.wide_path}) from {self.own_wide_from} decode rows (GGUF int4 "
+                        "layers); " + ("c++ int4 gemm (int4 layers) or " if self.narrow_int4 else ""))
             ops["quantized gemm"] = ("int4 / int8 kernel at every row count (batch-invariant)"
                                      if config.batch_invariant else
-                                     f"{wide_int4}{'c++ int4 gemm (int4 layers) or ' if self._int4 is not None else ''}"
+                                     f"{wide_int4}{own_int4}"
                                      f"int4 / int8 kernel below {qg.DENSE_FROM_ROWS} decode rows, else "
                                      f"{str(qg.DENSE_DTYPE).removeprefix('torch.')} "
                                      f"({'oneDNN' if qg.ONEDNN else 'torch linear'})")
@@ -223,8 +229,22 @@ class Ops:
 
     @property
     def narrow_int4(self) -> bool:
-        """Whether narrow steps' int4 layers run the C++ int4 GEMM (float32 activations) instead of torch's kernel."""
-        return self._int4 is not None
+        """Whether narrow steps' int4 layers run the C++ int4 GEMM (float32 activations) instead of torch's kernel:
+        where wide steps are float32 GEMMs, but not where gemm_wide has AVX-512 loops (torch's int4 kernel is the
+        faster there below WIDE512_FROM_ROWS rows: kernels/quant_gemm.py)."""
+        return self._int4 is not None and not self._wide512
+
+    @property
+    def own_wide_from(self) -> int:
+        """The decode rows from which a GGUF int4 layer takes gemm_wide, where wide steps are float32 GEMMs:
+        WIDE512_FROM_ROWS with its AVX-512 loops, else DENSE_FROM_ROWS (its crossover with the row-blocked gemm
+        and the dense GEMM on an AVX2 CPU)."""
+        return qg.WIDE512_FROM_ROWS if self._wide512 else qg.DENSE_FROM_ROWS
+
+    def own_wide_step(self, prefill: bool, rows: int) -> bool:
+        """Whether a step's GGUF int4 projections take gemm_wide (float32 activations): decode steps from
+        `own_wide_from` rows, where wide steps are float32 GEMMs."""
+        return self._int4 is not None and not prefill and rows >= self.own_wide_from
 
     def layer_halves(self, prefill: bool, rows: int, act: torch.dtype) -> LayerHalves | None:
         """The C++ halves of a decoder layer (kernels/cpu/layers.py) for a step, where its projections take gemm_bf16
@@ -238,9 +258,11 @@ class Ops:
         """The activations between a mixed step's matmuls: float32 where its quantized layers take the dense GEMM
         and that GEMM is float32 (no oneDNN bfloat16 here: kernels/quant_gemm.py DENSE_DTYPE), so no bfloat16
         round trip costs passes over memory around every GEMM; bfloat16 otherwise (the int4 / int8 kernels
-        take bfloat16; the C++ int4 GEMM, where it serves the narrow steps, float32)."""
-        if self._int4 is not None or (qg.DENSE_DTYPE == torch.float32 and not self.config.batch_invariant and
-                                      (prefill or rows >= qg.DENSE_FROM_ROWS)):
+        take bfloat16; the C++ int4 GEMMs, where they serve the step, float32)."""
+        if self.narrow_int4 or self.own_wide_step(prefill, rows):
+            return torch.float32
+        if qg.DENSE_DTYPE == torch.float32 and not self.config.batch_invariant and \
+                (prefill or rows >= qg.DENSE_FROM_ROWS):
             return torch.float32
         return qg.ACT
 
@@ -328,13 +350,14 @@ class Ops:
             y = bf16_gemm.gemm_bf16(x.to(torch.bfloat16).contiguous(), layer.w4, layer.sz4)
             return y.to(x.dtype) if layer.bias is None else (y.float() + layer.bias.float()).to(x.dtype)
         own = self._int4 if kind == "int4" and layer.q8.numel() else None
-        if own is not None and layer.dense_is_int4 and wide and not prefill:
+        if own is not None and layer.dense_is_int4 and self.own_wide_step(prefill, x.shape[0]):
             # a wide decode step: our int4 GEMM that decodes a panel for every row (1.2x oneDNN's float32 GEMM
-            # over SmolLM2's projections at 64 rows, weights cold, kernels/cpu/int4_gemm.py)
+            # over SmolLM2's projections at 64 rows, weights cold, on an AVX2 Zen 3; its AVX-512 loops from 12
+            # rows: kernels/quant_gemm.py WIDE512_FROM_ROWS)
             return self._own_int4(own.gemm_wide, layer, x)
         if wide and not self.config.batch_invariant and layer.dense.numel():
             return qg.dense_mm(x, layer.dense, layer.bias)
-        if own is not None:
+        if own is not None and self.narrow_int4:
             return self._own_int4(own.gemm, layer, x)
         xa = x.to(qg.ACT)
         y = qg.int4_mm(xa, layer.packed, layer.scale_zero) if kind == "int4" else \

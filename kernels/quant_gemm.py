@@ -10,8 +10,8 @@ quantized modules (engine/models/quant.py) hold the packed weights.
            rows against 29.7 / 58.3 for F.linear, which reorders the weight every call; equal results):
            in bfloat16 where oneDNN has a native bfloat16 GEMM (AVX-512 BF16, AMX); in float32 elsewhere
            (AVX2, AVX-512 without BF16), where a bfloat16 GEMM is emulated (`native_bf16`): measured on an AVX2
-           Zen 3, SmolLM2's four projections of a layer at 64 / 256 / 1,024 rows took 23.9 / 92.0 / 366.6 ms through torch's
-           bfloat16 linear against 3.6 / 12.1 / 45.7 ms in float32 through oneDNN (`DENSE_DTYPE`)
+           Zen 3, SmolLM2's four projections of a layer at 64 / 256 / 1,024 rows took 23.9 / 92.0 / 366.6 ms
+           through torch's bfloat16 linear against 3.6 / 12.1 / 45.7 ms in float32 through oneDNN (`DENSE_DTYPE`)
     Int8ActHead   int8 weights x int8 activations (oneDNN's VNNI kernel), for a wide step's output projection
 
 The CPU's int4 and int8 kernels read each weight row once per input row (a matrix-vector product a row), so
@@ -73,6 +73,14 @@ BF16_GEMM_FROM_ROWS = 1
 # DENSE_FROM_ROWS (10; an AMX CPU has a native bfloat16 GEMM), where a step starts to be compute-bound rather than
 # bound by the weights' bytes (Ops.bf16_gemm_step).
 AMX_DENSE_FROM_ROWS = 10
+# Where gemm_wide has its AVX-512 loops (kernels/cpu/int4_gemm.py `wide_path`: an AVX-512 CPU without BF16, whose
+# dense GEMM is float32), a GGUF int4 layer's decode steps take it from this many rows, and the narrower ones torch's
+# int4 kernel (AVX-512 code there) instead of our row-blocked gemm (AVX2 loops: 4.42 against 3.41 ms at one row over
+# 8 layers' projections). Over SmolLM2's 120 projections with the weights cold (`prefixserve bench gemm --rows
+# 8,10,12,14 --reps 7`, an AVX-512 Xeon without BF16, 2 threads): torch's int4 kernel 17.58 / 25.53 / 25.62 / 33.63 ms
+# at 8 / 10 / 12 / 14 rows, gemm_wide 19.22 / 25.93 / 26.06 / 26.30 (its rows come in blocks of 8), oneDNN's float32
+# GEMM 40.76 / 42.31 / 43.07 / 47.37 (Ops.own_wide_from).
+WIDE512_FROM_ROWS = 12
 INT8_HEAD_FROM_ROWS = 4
 
 
@@ -167,4 +175,5 @@ class Int8ActHead:
 
 
 __all__ = ["ACT", "BF16_GEMM_FROM_ROWS", "DENSE_DTYPE", "DENSE_FROM_ROWS", "GROUP", "INT8_HEAD_FROM_ROWS",
-           "Int8ActHead", "dense_mm", "int4_fits", "int4_mm", "int8_mm", "onednn_bf16", "pack_dense", "pack_int4"]
+           "WIDE512_FROM_ROWS", "Int8ActHead", "dense_mm", "int4_fits", "int4_mm", "int8_mm", "onednn_bf16",
+           "pack_dense", "pack_int4"]

@@ -12,6 +12,8 @@ R rows of bfloat16 activations; a projection's weights are read once a pass, as 
   narrow decode steps took before gemm_bf16;
 - gemm_bf16 (<build>): our int4 x bfloat16 GEMM (kernels/cpu/int4_gemm.py), in each C++ build this CPU runs that
   has it (AVX-512 BF16: avx512_bf16, amx), checked against dense before it is timed;
+- gemm_wide (<build>): our panel-decoding int4 GEMM on float32 activations (kernels/cpu/int4_gemm.py), in the build
+  the engine runs, where the dense GEMM is float32 (AVX2, AVX-512 without BF16): what its wide decode steps take;
 - dense: oneDNN's GEMM on the layer's dense copy (quant_gemm.pack_dense: bfloat16 where oneDNN has a bfloat16
   GEMM, on AMX's tile units where the CPU has them; float32 elsewhere), what prompt chunks and wide steps take
   where gemm_bf16 does not.
@@ -61,7 +63,8 @@ def make_layers(n_layers: int, seed: int) -> list[dict[str, Any]]:
             sb, zb = s.to(qg.ACT).float(), z.to(qg.ACT).float()
             packed, sz = qg.pack_int4(q, s, z)
             w4, sz4 = int4_gemm.pack_bf16(q, sb, zb) if int4_gemm.fits_bf16(n, k) else (None, None)
-            out.append({"n": n, "k": k, "packed": packed, "sz": sz, "w4": w4, "sz4": sz4,
+            w8, sz8 = int4_gemm.pack(q, sb, zb)
+            out.append({"n": n, "k": k, "packed": packed, "sz": sz, "w4": w4, "sz4": sz4, "w8": w8, "sz8": sz8,
                         "dense": qg.pack_dense(qg.dequantize_int4(q, sb, zb))})
     return out
 
@@ -88,6 +91,11 @@ def path_calls(builds: dict[str, Any]) -> dict[str, Callable[[torch.Tensor, dict
         "dense": lambda x, w: qg.dense_mm(x, w["dense"], None)}
     for name, kern in builds.items():
         calls[f"gemm_bf16 ({name})"] = lambda x, w, kern=kern: kern.gemm_bf16(x, w["w4"], w["sz4"])
+    from kernels.ops import default_ops
+    ops = default_ops()
+    if ops.cpu is not None and qg.DENSE_DTYPE == torch.float32:
+        own = ops.cpu.int4
+        calls[f"gemm_wide ({ops.cpu.variant})"] = lambda x, w: own.gemm_wide(x.float(), w["w8"], w["sz8"])
     return calls
 
 
@@ -119,10 +127,9 @@ def dispatched(rows: int, prefill: bool) -> str:
     ops = default_ops()
     if ops.bf16_gemm_step(prefill, rows):
         return f"gemm_bf16 ({ops.cpu.variant if ops.cpu is not None else '?'})"
-    wide = prefill or rows >= qg.DENSE_FROM_ROWS
-    if ops.narrow_int4 and wide and not prefill:         # float32 GEMMs (AVX2): the panel-decoding int4 GEMM
-        return "c++ int4 gemm_wide (float32)"
-    if wide:
+    if ops.own_wide_step(prefill, rows) and ops.cpu is not None:   # float32 GEMMs: the panel-decoding int4 GEMM
+        return f"c++ int4 gemm_wide ({ops.cpu.int4.wide_path}, float32)"
+    if prefill or rows >= qg.DENSE_FROM_ROWS:
         return "dense"
     return "c++ int4 (float32)" if ops.narrow_int4 else "int4"
 

@@ -5,9 +5,11 @@
                           is q[8 b + j, k]; sz [N / 8, K / 32, 2, 8] float32: scale, then zero - 8 scale)
     gemm(x, w, sz)        x [T, K] float32 -> y [T, N] float32 = x @ W^T, the weights read 4-bit: every
                           decoded weight vector serves all T rows (torch's int4 kernel reads them once a row)
-    gemm_wide(x, w, sz)   the same product for wide decode steps (16 rows and more): each panel of 16 outputs x
-                          <= 320 inputs decoded to float32 once into L1, then a float32 GEMM micro-kernel (6 rows
-                          x 16 outputs, twelve accumulators) runs every row over it
+    gemm_wide(x, w, sz)   the same product for wide decode steps (16 rows and more; 12 on AVX-512 builds): each
+                          panel of 16 outputs x <= 320 inputs decoded to float32 once into L1, then a float32 GEMM
+                          micro-kernel (6 rows x 16 outputs, twelve accumulators) runs every row over it; on
+                          AVX-512 builds (`wide_path` avx512) panels of 32 x <= 192 and 8 rows x 32 outputs
+                          (sixteen 16-float accumulators)
     pack_bf16(q, s, z)    (w4 [N / 16, K / 2, 16] uint8: byte (p, w, 2 j + c) holds q[16 p + j, 2 w + c] and,
                           above it, q[16 p + 8 + j, 2 w + c]; sz [N / 16, K / 32, 2, 16] bfloat16: s, then z) for
                           gemm_bf16: its low nibbles widen to the first 8 outputs' dimension pairs, its high
@@ -115,8 +117,10 @@ class Int4Gemm:
         lib.prefixserve_int4_gemm_bf16.argtypes = [p, i64, p, p, p, i64, i, i, i]
         lib.prefixserve_int4_gemm_bf16.restype = ctypes.c_int
         lib.prefixserve_int4_gemm_path.restype = ctypes.c_char_p
+        lib.prefixserve_int4_gemm_wide_path.restype = ctypes.c_char_p
         self._lib = lib
         self.path: str = lib.prefixserve_int4_gemm_path().decode()      # the loops it runs: avx2, generic
+        self.wide_path: str = lib.prefixserve_int4_gemm_wide_path().decode()   # gemm_wide's: avx512, avx2, generic
         self.has_bf16 = bool(lib.prefixserve_int4_gemm_has_bf16())      # gemm_bf16 (AVX-512 BF16 builds)
 
     def gemm(self, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:

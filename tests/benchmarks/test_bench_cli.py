@@ -284,6 +284,9 @@ def test_gemm_bench_through_cli(tmp_path: Path, capsys: pytest.CaptureFixture[st
         assert res["fastest"][r] in res["ms"]
         if ops.bf16_gemm_step(False, int(r)):
             assert res["dispatched"][r].startswith("gemm_bf16")
+        elif ops.own_wide_step(False, int(r)):           # float32 GEMMs: the panel-decoding int4 GEMM, timed too
+            assert res["dispatched"][r].startswith("c++ int4 gemm_wide")
+            assert any(p.startswith("gemm_wide") for p in res["ms"])
         elif ops.narrow_int4:                       # float32 GEMMs (AVX2): our int4 GEMMs for decode steps
             assert res["dispatched"][r].startswith("c++ int4")
         else:

@@ -124,8 +124,15 @@ def test_step_activations_follow_the_dense_gemm() -> None:
     assert ops.step_act(qg.DENSE_FROM_ROWS, prefill=False) == wide
     assert ops.step_act(1, prefill=True) == wide
     narrow = torch.float32 if ops.narrow_int4 else torch.bfloat16
-    assert ops.step_act(qg.DENSE_FROM_ROWS - 1, prefill=False) == narrow
-    assert ops.narrow_int4 == (qg.DENSE_DTYPE == torch.float32 and ops.cpu is not None)
+    assert ops.step_act(1, prefill=False) == narrow
+    # the C++ int4 GEMMs where the dense GEMM is float32; gemm_wide's AVX-512 loops take decode steps from
+    # WIDE512_FROM_ROWS rows, and torch's int4 kernel the narrower ones
+    own = qg.DENSE_DTYPE == torch.float32 and ops.cpu is not None
+    wide512 = own and ops.cpu is not None and ops.cpu.int4.wide_path == "avx512"
+    assert ops.narrow_int4 == (own and not wide512)
+    assert ops.own_wide_from == (qg.WIDE512_FROM_ROWS if wide512 else qg.DENSE_FROM_ROWS)
+    assert ops.own_wide_step(False, ops.own_wide_from) == own and not ops.own_wide_step(False, ops.own_wide_from - 1)
+    assert not ops.own_wide_step(True, 4096) and ops.step_act(ops.own_wide_from, prefill=False) == wide
     assert Ops(KernelConfig(batch_invariant=True)).step_act(4096, prefill=True) == torch.bfloat16
 
 
