@@ -20,9 +20,9 @@ Two precisions. `mixed=False` is the reference: every op in the model's dtype, a
 parity tests hold the float32 model to transformers token for token). `mixed=True` is the quantized model's:
 bfloat16 between the matmuls, a float32 residual stream, float32 math inside each op, one rounding at its end;
 the C++ kernels implement it and the torch fallbacks compute the same formula. Where a step's quantized layers
-take a float32 dense GEMM (no oneDNN bfloat16 on the CPU: AVX2), its activations between the matmuls are float32
-instead (`step_act`): no rounding, and no bfloat16 round trip around every GEMM (a 64-row decode step 222 ->
-197 ms on a Zen 3).
+take a float32 dense GEMM (no native bfloat16 on the CPU: AVX2, AVX-512 without BF16), its activations between
+the matmuls are float32 instead (`step_act`): no rounding, and no bfloat16 round trip around every GEMM (a 64-row
+decode step 222 -> 197 ms on a Zen 3).
 
 Batch invariance (`KernelConfig.batch_invariant`): every choice that depends on the step's shape is fixed: the
 quantized layers and head take one kernel for every row count and every step (the int4 / int8 kernel: each

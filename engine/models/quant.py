@@ -22,7 +22,10 @@ from run to run); on an AVX2 CPU, whose bfloat16 GEMM is emulated (8x slower tha
 is float32 and the crossover 16 rows (kernels/quant_gemm.py, DENSE_DTYPE and DENSE_FROM_ROWS); there a GGUF
 Q4 layer's wide decode steps take our own int4 GEMM instead (kernels/cpu/int4_gemm.py gemm_wide: a panel of
 the 4-bit weights decoded to float32 in L1 for all of a step's rows, 1.2x oneDNN's float32 GEMM at 64 rows
-with the weights cold), and only prompt chunks read the dense copy. On an AVX-512 BF16 CPU without AMX a GGUF Q4 layer's
+with the weights cold), and only prompt chunks read the dense copy. So too on an AVX-512 CPU without BF16 (a Cascade
+Lake Xeon: oneDNN's bfloat16 is emulated there too), where gemm_wide runs AVX-512 loops and takes decode steps from
+12 rows, torch's int4 kernel the narrower ones (kernels/quant_gemm.py WIDE512_FROM_ROWS). On an AVX-512 BF16 CPU
+without AMX a GGUF Q4 layer's
 wide steps, prompt chunks included, and every decode step whatever its rows (kernels/quant_gemm.py
 BF16_GEMM_FROM_ROWS) take kernels/cpu/int4_gemm.py gemm_bf16 instead of oneDNN: each block of 32
 outputs decoded from the 4-bit values into exactly the dense copy's bfloat16 weights (in L2), then vdpbf16ps over
@@ -116,7 +119,7 @@ class Int4Linear(nn.Module):
             if dense is None:
                 dense = dequantize_int4(q, s, z)
             self.register_buffer("dense", pack_dense(dense))
-        # the narrow steps' own int4 GEMM (kernels/cpu/int4_gemm.py) where wide steps are float32 GEMMs
+        # the C++ int4 GEMMs' packing (kernels/cpu/int4_gemm.py gemm, gemm_wide) where wide steps are float32 GEMMs
         self.q8: torch.Tensor
         self.sz8: torch.Tensor
         if DENSE_DTYPE == torch.float32 and int4_gemm.fits(self.out_features, self.in_features):

@@ -125,6 +125,20 @@ def test_the_dense_gemm_is_bfloat16_only_where_the_cpu_multiplies_bfloat16() -> 
     assert qg.ONEDNN_BF16 == native and qg.DENSE_DTYPE == (torch.bfloat16 if native else torch.float32)
 
 
+def test_a_row_of_the_dense_gemm_does_not_depend_on_the_rows_beside_it() -> None:
+    """oneDNN's float32 GEMM summed a lone row of the 1,536-input down projection in another order than the same row
+    among others (an AVX-512 Xeon without BF16): a prompt whose last token alone was left to compute after a cached
+    prefix then answered otherwise than the same prompt computed whole."""
+    torch.manual_seed(3)
+    for n, k in ((576, 1536), (960, 576)):
+        w, b = qg.pack_dense(torch.randn(n, k) * 0.05), torch.randn(n)
+        x = torch.randn(17, k)
+        whole = qg.dense_mm(x, w, b)
+        for t in (0, 16):
+            assert torch.equal(qg.dense_mm(x[t:t + 1], w, b)[0], whole[t])
+        assert torch.equal(qg.dense_mm(x[-3:], w, None)[-1], qg.dense_mm(x, w, None)[-1])
+
+
 def test_wide_steps_take_the_dense_gemm() -> None:
     """From DENSE_FROM_ROWS rows a quantized layer multiplies by a dense weight (oneDNN's layout): bfloat16 where
     oneDNN has a bfloat16 GEMM, float32 elsewhere (an AVX2 CPU emulates bfloat16 products, 8x slower); below,
