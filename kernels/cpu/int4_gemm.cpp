@@ -389,52 +389,86 @@ void micro_bf16(const uint16_t* x, int64_t x_stride, const uint32_t* bp, int W, 
 }
 #endif
 
+
+#if defined(PREFIXSERVE_AVX2)
+// gemm_wide's panels on AVX2 builds: 16 outputs (blocks 2 p, 2 p + 1), micro-kernel 6 x 16.
+struct Panels256 {
+    static constexpr int MR_ = MR, NR_ = NR, MB_ = MB;
+    static int kc(int K) { return kc_block(K); }
+    static void run(const uint32_t* w, const float* sz, int K, int N, int p, int k0, int kc, float* bp,
+                    const float* ap, int64_t blocks_from, int64_t blocks_to, float* y, int64_t y_stride, int T) {
+        (void)N;
+        const int G = K / GROUP;
+        const uint32_t* w0 = w + static_cast<int64_t>(2 * p) * K;
+        const float* sz0 = sz + static_cast<int64_t>(2 * p) * G * 16;
+        decode_panel(w0, w0 + K, sz0, sz0 + G * 16, k0, kc, bp);
+        for (int64_t b = blocks_from; b < blocks_to; ++b)
+            micro(ap + (b * K + k0) * MR, bp, kc, y + b * MR * y_stride + NR * p, y_stride,
+                  std::min<int64_t>(MR, T - b * MR), k0 == 0);
+    }
+};
+#endif
+
 #if defined(PREFIXSERVE_WIDE512)
-// gemm_wide's driver on AVX-512 builds (w512 above): rows packed [T / 8, K, 8], then for each group of MB row blocks
-// the threads deal the panels, each decoding its panel a KC block at a time and running every row block over it.
 namespace w512 {
-int wide512(const float* x, int64_t x_stride, const uint32_t* w, const float* sz, float* y, int64_t y_stride, int T,
-            int N, int K) {
-    const int blocks = (T + MR - 1) / MR, KC = kc_block(K), panels = (N + NR - 1) / NR;
-    float* ap = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * static_cast<size_t>(blocks) * K * MR));
+// gemm_wide's panels on AVX-512 builds: 32 outputs (blocks 4 p .. 4 p + 3; 16 for a last half panel), 8 x 32.
+struct Panels {
+    static constexpr int MR_ = MR, NR_ = NR, MB_ = MB;
+    static int kc(int K) { return kc_block(K); }
+    static void run(const uint32_t* w, const float* sz, int K, int N, int p, int k0, int kc, float* bp,
+                    const float* ap, int64_t blocks_from, int64_t blocks_to, float* y, int64_t y_stride, int T) {
+        const int nc = std::min(2, (N - NR * p) / 16);
+        decode_panel(w, sz, K, 4 * p, nc, k0, kc, bp);
+        for (int64_t b = blocks_from; b < blocks_to; ++b) {
+            const float* a = ap + (b * K + k0) * MR;
+            float* yb = y + b * MR * y_stride + NR * p;
+            const int rows = static_cast<int>(std::min<int64_t>(MR, T - b * MR));
+            if (nc == 2)
+                micro2(a, bp, kc, yb, y_stride, rows, k0 == 0);
+            else
+                micro1(a, bp, kc, yb, y_stride, rows, k0 == 0);
+        }
+    }
+};
+}  // namespace w512
+#endif
+
+#if defined(PREFIXSERVE_AVX2)
+// gemm_wide's driver: the step's rows packed P::MR_ at a time ([T / MR, K, MR], zero rows padding the last block),
+// then for each group of MB row blocks the threads deal the panels, each decoding its panel a KC block at a time and
+// running every row block over it.
+template <class P>
+int wide_driver(const float* x, int64_t x_stride, const uint32_t* w, const float* sz, float* y, int64_t y_stride,
+                int T, int N, int K) {
+    constexpr int R = P::MR_;
+    const int blocks = (T + R - 1) / R, KC = P::kc(K), panels = (N + P::NR_ - 1) / P::NR_;
+    float* ap = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * static_cast<size_t>(blocks) * K * R));
     if (ap == nullptr) return -1;
     int failed = 0;
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
-        for (int b = 0; b < blocks; ++b)                     // rows 8 b .. 8 b + 7 as [K, 8]
-            for (int r = 0; r < MR; ++r) {
-                const int t = b * MR + r;
-                float* dst = ap + static_cast<int64_t>(b) * K * MR + r;
+        for (int b = 0; b < blocks; ++b)                     // rows R b .. R b + R - 1 as [K, R]
+            for (int r = 0; r < R; ++r) {
+                const int t = b * R + r;
+                float* dst = ap + static_cast<int64_t>(b) * K * R + r;
                 if (t < T)
-                    for (int k = 0; k < K; ++k) dst[k * MR] = x[t * x_stride + k];
+                    for (int k = 0; k < K; ++k) dst[k * R] = x[t * x_stride + k];
                 else
-                    for (int k = 0; k < K; ++k) dst[k * MR] = 0.f;
+                    for (int k = 0; k < K; ++k) dst[k * R] = 0.f;
             }
-        float* bp = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * static_cast<size_t>(KC) * NR));
+        float* bp = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * static_cast<size_t>(KC) * P::NR_));
         if (bp == nullptr) {
             #pragma omp atomic write
             failed = 1;
         }
-        for (int b0 = 0; b0 < blocks; b0 += MB) {            // MB row blocks at a time: their rows stay in L2
-            const int b1 = std::min(blocks, b0 + MB);
+        for (int b0 = 0; b0 < blocks; b0 += P::MB_) {        // MB row blocks at a time: their rows stay in L2
+            const int b1 = std::min(blocks, b0 + P::MB_);
             #pragma omp for schedule(static)
             for (int p = 0; p < panels; ++p) {
                 if (bp == nullptr) continue;
-                const int nc = std::min(2, (N - NR * p) / 16);
-                for (int k0 = 0; k0 < K; k0 += KC) {
-                    const int kc = std::min(KC, K - k0);
-                    decode_panel(w, sz, K, 4 * p, nc, k0, kc, bp);
-                    for (int b = b0; b < b1; ++b) {
-                        const float* a = ap + (static_cast<int64_t>(b) * K + k0) * MR;
-                        float* yb = y + static_cast<int64_t>(b) * MR * y_stride + NR * p;
-                        const int rows = std::min(MR, T - b * MR);
-                        if (nc == 2)
-                            micro2(a, bp, kc, yb, y_stride, rows, k0 == 0);
-                        else
-                            micro1(a, bp, kc, yb, y_stride, rows, k0 == 0);
-                    }
-                }
+                for (int k0 = 0; k0 < K; k0 += KC)
+                    P::run(w, sz, K, N, p, k0, std::min(KC, K - k0), bp, ap, b0, b1, y, y_stride, T);
             }
         }
         std::free(bp);
@@ -442,7 +476,6 @@ int wide512(const float* x, int64_t x_stride, const uint32_t* w, const float* sz
     std::free(ap);
     return failed ? -1 : 0;
 }
-}  // namespace w512
 #endif
 
 }  // namespace
@@ -544,54 +577,14 @@ int prefixserve_int4_gemm_q8(const float* x, int64_t x_stride, const uint8_t* w,
 // to float32 once and multiplied by all T rows. Returns 0, or -1 for shapes it does not take (N % 16, K % 32) or no memory for the scratch.
 int prefixserve_int4_gemm_wide(const float* x, int64_t x_stride, const uint32_t* w, const float* sz, float* y,
                                int64_t y_stride, int T, int N, int K) {
+#if defined(PREFIXSERVE_AVX2)
+    if (N % 16 != 0 || K % GROUP != 0 || T < 0) return -1;
+    if (T == 0) return 0;
 #if defined(PREFIXSERVE_WIDE512)
-    if (N % 16 != 0 || K % GROUP != 0 || T < 0) return -1;
-    if (T == 0) return 0;
-    return w512::wide512(x, x_stride, w, sz, y, y_stride, T, N, K);
-#elif defined(PREFIXSERVE_AVX2)
-    if (N % 16 != 0 || K % GROUP != 0 || T < 0) return -1;
-    if (T == 0) return 0;
-    const int G = K / GROUP, blocks = (T + MR - 1) / MR, KC = kc_block(K);
-    float* ap = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * static_cast<size_t>(blocks) * K * MR));
-    if (ap == nullptr) return -1;
-    int failed = 0;
-    #pragma omp parallel
-    {
-        #pragma omp for schedule(static)
-        for (int b = 0; b < blocks; ++b)                     // rows 6 b .. 6 b + 5 as [K, 6]
-            for (int r = 0; r < MR; ++r) {
-                const int t = b * MR + r;
-                float* dst = ap + static_cast<int64_t>(b) * K * MR + r;
-                if (t < T)
-                    for (int k = 0; k < K; ++k) dst[k * MR] = x[t * x_stride + k];
-                else
-                    for (int k = 0; k < K; ++k) dst[k * MR] = 0.f;
-            }
-        float* bp = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * static_cast<size_t>(KC) * NR));
-        if (bp == nullptr) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        for (int b0 = 0; b0 < blocks; b0 += MB) {            // MB row blocks at a time: their rows stay in L2
-            const int b1 = std::min(blocks, b0 + MB);
-            #pragma omp for schedule(static)
-            for (int p = 0; p < N / NR; ++p) {
-                if (bp == nullptr) continue;
-                const uint32_t* w0 = w + static_cast<int64_t>(2 * p) * K;
-                const float* sz0 = sz + static_cast<int64_t>(2 * p) * G * 16;
-                for (int k0 = 0; k0 < K; k0 += KC) {
-                    const int kc = std::min(KC, K - k0);
-                    decode_panel(w0, w0 + K, sz0, sz0 + G * 16, k0, kc, bp);
-                    for (int b = b0; b < b1; ++b)
-                        micro(ap + (static_cast<int64_t>(b) * K + k0) * MR, bp, kc, y + b * MR * y_stride + NR * p,
-                              y_stride, std::min(MR, T - b * MR), k0 == 0);
-                }
-            }
-        }
-        std::free(bp);
-    }
-    std::free(ap);
-    return failed ? -1 : 0;
+    return wide_driver<w512::Panels>(x, x_stride, w, sz, y, y_stride, T, N, K);
+#else
+    return wide_driver<Panels256>(x, x_stride, w, sz, y, y_stride, T, N, K);
+#endif
 #else
     return prefixserve_int4_gemm(x, x_stride, w, sz, y, y_stride, T, N, K);
 #endif
