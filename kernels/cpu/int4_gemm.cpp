@@ -163,8 +163,8 @@ void q8_generic(const int8_t* xh, int64_t xq_stride, const float* xa, const floa
 constexpr int MR = 6, NR = 16;
 constexpr int MB = 24;           // row blocks a pass over the panels: 144 rows
 
-inline int kc_block(int K) {                     // KC: K split into equal blocks of at most 320, multiples of 32
-    const int blocks = (K + 319) / 320;
+inline int kc_block(int K, int most = 320) {     // KC: K split into equal blocks of at most `most`, multiples of 32
+    const int blocks = (K + most - 1) / most;
     return ((K + blocks - 1) / blocks + GROUP - 1) / GROUP * GROUP;
 }
 
@@ -231,11 +231,6 @@ void micro(const float* ap, const float* bp, int kc, float* y, int64_t y_stride,
 namespace w512 {
 constexpr int MR = 8, NR = 32;
 constexpr int MB = 18;           // row blocks a pass over the panels: 144 rows
-
-inline int kc_block(int K) {                     // KC: K split into equal blocks of at most 192, multiples of 32
-    const int blocks = (K + 191) / 192;
-    return ((K + blocks - 1) / blocks + GROUP - 1) / GROUP * GROUP;
-}
 
 // 16 floats: the nibbles of blocks a (outputs 0-7) and b (8-15) at one k
 inline __m512 decode16(uint32_t a, uint32_t b, __m512i shifts, __m512i mask) {
@@ -414,7 +409,7 @@ namespace w512 {
 // gemm_wide's panels on AVX-512 builds: 32 outputs (blocks 4 p .. 4 p + 3; 16 for a last half panel), 8 x 32.
 struct Panels {
     static constexpr int MR_ = MR, NR_ = NR, MB_ = MB;
-    static int kc(int K) { return kc_block(K); }
+    static int kc(int K) { return kc_block(K, 192); }    // a 32 x 192 panel: 24 KB, in L1
     static void run(const uint32_t* w, const float* sz, int K, int N, int p, int k0, int kc, float* bp,
                     const float* ap, int64_t blocks_from, int64_t blocks_to, float* y, int64_t y_stride, int T) {
         const int nc = std::min(2, (N - NR * p) / 16);
