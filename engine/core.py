@@ -78,7 +78,8 @@ class EngineCore:
                                            config.batch_invariant, torch.set_num_threads)
         # The op layer: which kernels run is decided here, once (and logged: KernelReport)
         self.ops = Ops(KernelConfig(config.device, config.cpu_kernels, config.batch_invariant,
-                                    traced=config.compile_decode, amx_dense_from_rows=config.amx_dense_from_rows))
+                                    traced=config.compile_decode, amx_dense_from_rows=config.amx_dense_from_rows,
+                                    int16_activations=config.int16_activations))
         for line in self.ops.report.lines():
             log.info("kernels: %s", line)
         if loaded is None:

@@ -61,6 +61,9 @@ class KernelConfig:
     traced: bool = False          # the decode step's layers run in a torch.compile graph: elementwise ops in torch
     # with AMX: the decode rows from which GGUF 4-bit layers take oneDNN's GEMM, not gemm_bf16 (Ops.bf16_gemm_step)
     amx_dense_from_rows: int = qg.AMX_DENSE_FROM_ROWS
+    # on an AVX-512 CPU with VNNI and no BF16: GGUF 4-bit layers' prompt chunks and wide decode steps take gemm_q16
+    # (Ops.own_wide_step); False: the float32 GEMMs (oneDNN's, gemm_wide)
+    int16_activations: bool = True
 
 
 @dataclass
@@ -118,6 +121,9 @@ class Ops:
         # its wide kernel has AVX-512 loops: it takes decode steps from WIDE512_FROM_ROWS rows and torch's int4 kernel
         # the narrower ones (kernels/quant_gemm.py)
         self._wide512 = self._int4 is not None and self._int4.wide_path == "avx512"
+        # ... and with AVX-512 VNNI, its int4 x int16 GEMM (gemm_q16: twice a float32 FMA's products an instruction)
+        # takes such a layer's prompt chunks and wide decode steps (kernels/quant_gemm.py Q16_FROM_ROWS)
+        self._q16 = self._wide512 and self._int4 is not None and self._int4.has_q16 and config.int16_activations
         # the int4 x bfloat16 GEMM (kernels/cpu/int4_gemm.py gemm_bf16), where the dense GEMM is oneDNN's bfloat16
         # one and the build has AVX-512 BF16: not traced, not batch-invariant (as above)
         self._int4_bf16 = None if self.cpu is None or config.traced or config.batch_invariant or \
@@ -149,6 +155,8 @@ class Ops:
                          f"c++ int4 x bf16 gemm for decode steps below {self._amx_dense_from} rows, bfloat16 "
                          "(oneDNN, AMX) for prompt chunks and wider steps (GGUF int4 layers); other layers: ")
             own_int4 = ("" if self._int4 is None else
+                        f"c++ int4 x int16 gemm_q16 (avx512 vnni) for prompt chunks and from {self.own_wide_from} "
+                        "decode rows (GGUF int4 layers); " if self._q16 else
                         f"c++ int4 gemm_wide ({self._int4.wide_path}) from {self.own_wide_from} decode rows (GGUF int4 "
                         "layers); " + ("c++ int4 gemm (int4 layers) or " if self.narrow_int4 else ""))
             ops["quantized gemm"] = ("int4 / int8 kernel at every row count (batch-invariant)"
@@ -237,14 +245,25 @@ class Ops:
     @property
     def own_wide_from(self) -> int:
         """The decode rows from which a GGUF int4 layer takes gemm_wide, where wide steps are float32 GEMMs:
-        WIDE512_FROM_ROWS with its AVX-512 loops, else DENSE_FROM_ROWS (its crossover with the row-blocked gemm
-        and the dense GEMM on an AVX2 CPU)."""
+        WIDE512_FROM_ROWS with its AVX-512 loops (Q16_FROM_ROWS where gemm_q16 takes them), else DENSE_FROM_ROWS (its
+        crossover with the row-blocked gemm and the dense GEMM on an AVX2 CPU)."""
+        if self._q16:
+            return qg.Q16_FROM_ROWS
         return qg.WIDE512_FROM_ROWS if self._wide512 else qg.DENSE_FROM_ROWS
 
     def own_wide_step(self, prefill: bool, rows: int) -> bool:
         """Whether a step's GGUF int4 projections take gemm_wide (float32 activations): decode steps from
-        `own_wide_from` rows, where wide steps are float32 GEMMs."""
-        return self._int4 is not None and not prefill and rows >= self.own_wide_from
+        `own_wide_from` rows, where wide steps are float32 GEMMs; with gemm_q16 (`wide_int4_q16`), prompt chunks
+        too, at any size (a prompt's tokens through the same kernel however they are chunked)."""
+        if self._int4 is None:
+            return False
+        return (prefill and self._q16) or (not prefill and rows >= self.own_wide_from)
+
+    @property
+    def wide_int4_q16(self) -> bool:
+        """Whether a GGUF int4 layer's prompt chunks and wide decode steps run gemm_q16 (an AVX-512 CPU with VNNI and
+        no BF16; --int16-activations): its dense copy is then never read, and not kept (engine/models/quant.py)."""
+        return self._q16
 
     def layer_halves(self, prefill: bool, rows: int, act: torch.dtype) -> LayerHalves | None:
         """The C++ halves of a decoder layer (kernels/cpu/layers.py) for a step, where its projections take gemm_bf16
@@ -353,8 +372,9 @@ class Ops:
         if own is not None and layer.dense_is_int4 and self.own_wide_step(prefill, x.shape[0]):
             # a wide decode step: our int4 GEMM that decodes a panel for every row (1.2x oneDNN's float32 GEMM
             # over SmolLM2's projections at 64 rows, weights cold, on an AVX2 Zen 3; its AVX-512 loops from 12
-            # rows: kernels/quant_gemm.py WIDE512_FROM_ROWS)
-            return self._own_int4(own.gemm_wide, layer, x)
+            # rows: kernels/quant_gemm.py WIDE512_FROM_ROWS); with AVX-512 VNNI, the int4 x int16 one, prompt
+            # chunks included (kernels/quant_gemm.py Q16_FROM_ROWS)
+            return self._own_int4(own.gemm_q16 if self._q16 else own.gemm_wide, layer, x)
         if wide and not self.config.batch_invariant and layer.dense.numel():
             return qg.dense_mm(x, layer.dense, layer.bias)
         if own is not None and self.narrow_int4:

@@ -81,6 +81,9 @@ AMX_DENSE_FROM_ROWS = 10
 # at 8 / 10 / 12 / 14 rows, gemm_wide 19.22 / 25.93 / 26.06 / 26.30 (its rows come in blocks of 8), oneDNN's float32
 # GEMM 40.76 / 42.31 / 43.07 / 47.37 (Ops.own_wide_from).
 WIDE512_FROM_ROWS = 12
+# Where gemm_q16 runs (int4 weights x int16 activations, kernels/cpu/int4_gemm.py: an AVX-512 CPU with VNNI and no
+# BF16), a GGUF int4 layer's decode steps take it from this many rows, torch's int4 kernel below.
+Q16_FROM_ROWS = 12
 INT8_HEAD_FROM_ROWS = 4
 
 
@@ -182,5 +185,5 @@ class Int8ActHead:
 
 
 __all__ = ["ACT", "BF16_GEMM_FROM_ROWS", "DENSE_DTYPE", "DENSE_FROM_ROWS", "GROUP", "INT8_HEAD_FROM_ROWS",
-           "WIDE512_FROM_ROWS", "Int8ActHead", "dense_mm", "int4_fits", "int4_mm", "int8_mm", "onednn_bf16",
-           "pack_dense", "pack_int4"]
+           "Q16_FROM_ROWS", "WIDE512_FROM_ROWS", "Int8ActHead", "dense_mm", "int4_fits", "int4_mm", "int8_mm",
+           "onednn_bf16", "pack_dense", "pack_int4"]

@@ -14,6 +14,8 @@ R rows of bfloat16 activations; a projection's weights are read once a pass, as 
   has it (AVX-512 BF16: avx512_bf16, amx), checked against dense before it is timed;
 - gemm_wide (<build>): our panel-decoding int4 GEMM on float32 activations (kernels/cpu/int4_gemm.py), in the build
   the engine runs, where the dense GEMM is float32 (AVX2, AVX-512 without BF16): what its wide decode steps take;
+- gemm_q16 (<build>): the same panels as 16-bit integer pairs times int16 activations (vpdpwssd), where the build
+  has AVX-512 and the CPU VNNI: what prompt chunks and wide decode steps take on such a CPU without BF16;
 - dense: oneDNN's GEMM on the layer's dense copy (quant_gemm.pack_dense: bfloat16 where oneDNN has a bfloat16
   GEMM, on AMX's tile units where the CPU has them; float32 elsewhere), what prompt chunks and wide steps take
   where gemm_bf16 does not.
@@ -96,6 +98,8 @@ def path_calls(builds: dict[str, Any]) -> dict[str, Callable[[torch.Tensor, dict
     if ops.cpu is not None and qg.DENSE_DTYPE == torch.float32:
         own = ops.cpu.int4
         calls[f"gemm_wide ({ops.cpu.variant})"] = lambda x, w: own.gemm_wide(x.float(), w["w8"], w["sz8"])
+        if own.has_q16:
+            calls[f"gemm_q16 ({ops.cpu.variant})"] = lambda x, w: own.gemm_q16(x.float(), w["w8"], w["sz8"])
     return calls
 
 
@@ -128,6 +132,8 @@ def dispatched(rows: int, prefill: bool) -> str:
     if ops.bf16_gemm_step(prefill, rows):
         return f"gemm_bf16 ({ops.cpu.variant if ops.cpu is not None else '?'})"
     if ops.own_wide_step(prefill, rows) and ops.cpu is not None:   # float32 GEMMs: the panel-decoding int4 GEMM
+        if ops.wide_int4_q16:
+            return f"c++ int4 gemm_q16 ({ops.cpu.variant}, int16 activations)"
         return f"c++ int4 gemm_wide ({ops.cpu.int4.wide_path}, float32)"
     if prefill or rows >= qg.DENSE_FROM_ROWS:
         return "dense"

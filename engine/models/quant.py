@@ -113,7 +113,9 @@ class Int4Linear(nn.Module):
             w4, sz4 = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.bfloat16)
         self.register_buffer("w4", w4)
         self.register_buffer("sz4", sz4)
-        if w4.numel() and not self.ops.int4_bf16_keeps_dense:
+        # likewise where gemm_q16 serves its prompt chunks and wide decode steps (kernels/ops.py Ops.wide_int4_q16)
+        q16 = self.dense_is_int4 and self.ops.wide_int4_q16 and int4_gemm.fits(self.out_features, self.in_features)
+        if (w4.numel() and not self.ops.int4_bf16_keeps_dense) or q16:
             self.register_buffer("dense", torch.empty(0, dtype=DENSE_DTYPE))
         else:
             if dense is None:

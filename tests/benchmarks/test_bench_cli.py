@@ -285,8 +285,10 @@ def test_gemm_bench_through_cli(tmp_path: Path, capsys: pytest.CaptureFixture[st
         if ops.bf16_gemm_step(False, int(r)):
             assert res["dispatched"][r].startswith("gemm_bf16")
         elif ops.own_wide_step(False, int(r)):           # float32 GEMMs: the panel-decoding int4 GEMM, timed too
-            assert res["dispatched"][r].startswith("c++ int4 gemm_wide")
+            q16 = ops.wide_int4_q16                     # with VNNI, its int4 x int16 variant
+            assert res["dispatched"][r].startswith("c++ int4 gemm_q16" if q16 else "c++ int4 gemm_wide")
             assert any(p.startswith("gemm_wide") for p in res["ms"])
+            assert any(p.startswith("gemm_q16") for p in res["ms"]) == q16
         elif ops.narrow_int4:                       # float32 GEMMs (AVX2): our int4 GEMMs for decode steps
             assert res["dispatched"][r].startswith("c++ int4")
         else:

@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from engine.models.quant import DENSE_FROM_ROWS, GROUP, Int4Linear, Int8Linear, QuantLogits, gguf_q4
 from kernels import quant_gemm as qg
 from kernels.cpu.library import cpu_flags
-from kernels.ops import Ops, default_ops
+from kernels.ops import KernelConfig, Ops, default_ops
 from tests.helpers.kernels import pretend_amx
 
 # bfloat16 activations (8 mantissa bits: 2^-9 relative per element) through a dot product of a few
@@ -177,16 +177,17 @@ def gguf_q4_layer(ops: Ops, seed: int) -> tuple[Int4Linear, torch.Tensor]:
 
 
 def test_wide_decode_steps_of_gguf_q4_layers_decode_the_4_bit_weights() -> None:
-    """Where wide steps are float32 GEMMs (AVX2), a GGUF Q4 layer's decode steps of DENSE_FROM_ROWS rows and more
-    take our panel-decoding int4 GEMM (int4_gemm.cpp gemm_wide: its bits exactly), a prompt chunk the dense
-    GEMM; a layer quantized here from a float weight keeps that weight for its wide steps (from_float)."""
-    ops = default_ops()
+    """Where wide steps are float32 GEMMs (AVX2, AVX-512 without BF16) and int16 activations are off, a GGUF Q4
+    layer's decode steps of DENSE_FROM_ROWS rows and more take our panel-decoding int4 GEMM (int4_gemm.cpp
+    gemm_wide: its bits exactly), a prompt chunk the dense GEMM; a layer quantized here from a float weight keeps that
+    weight for its wide steps (from_float)."""
+    ops = Ops(KernelConfig(int16_activations=False))
     if ops._int4 is None:
         pytest.skip("wide steps are bfloat16 GEMMs on this CPU (or the C++ kernels are off)")
     exact, b = gguf_q4_layer(ops, seed=3)
     x = torch.randn(DENSE_FROM_ROWS + 5, 128)
     own = ops._int4.gemm_wide(x, exact.q8, exact.sz8) + b
-    assert rel_err(ops.linear(exact, x, prefill=True), own) < 1e-5  # a prompt chunk: the dense GEMM, same values
+    assert rel_err(ops.linear(exact, x, prefill=True), own) < 2e-5  # a prompt chunk: the dense GEMM, same values
     exact.dense = qg.pack_dense(torch.zeros(96, 128))               # now only the 4-bit weights hold the layer
     assert torch.equal(ops.linear(exact, x, prefill=False), own)    # float32 activations, as a wide step has
     assert torch.equal(ops.linear(exact, x, prefill=True), b.expand(x.shape[0], -1))
@@ -194,6 +195,28 @@ def test_wide_decode_steps_of_gguf_q4_layers_decode_the_4_bit_weights() -> None:
     kept = Int4Linear.from_float(w, b, ops)
     assert not kept.dense_is_int4 and exact.dense_is_int4
     assert rel_err(ops.linear(kept, x, prefill=False), x @ w.T + b) < 1e-5   # the float weight, not its 4 bits
+
+
+def test_wide_steps_of_gguf_q4_layers_run_the_int16_activation_gemm_and_keep_no_dense_copy() -> None:
+    """On an AVX-512 CPU with VNNI and no BF16 (--int16-activations, the default), a GGUF Q4 layer's prompt chunks
+    of any size and its decode steps from Q16_FROM_ROWS rows take gemm_q16 (its bits exactly), the narrower decode
+    steps torch's int4 kernel; its dense copy is not kept (never read). A float weight kept by from_float still
+    serves its wide steps."""
+    ops = default_ops()
+    if not ops.wide_int4_q16:
+        pytest.skip("gemm_q16 serves an AVX-512 CPU with VNNI and no BF16 only")
+    exact, b = gguf_q4_layer(ops, seed=4)
+    assert exact.dense.numel() == 0
+    for rows, prefill in ((1, True), (qg.Q16_FROM_ROWS, False), (DENSE_FROM_ROWS + 40, True)):
+        x = torch.randn(rows, 128)
+        assert torch.equal(ops.linear(exact, x, prefill), ops._int4.gemm_q16(x, exact.q8, exact.sz8) + b)
+    x = torch.randn(qg.Q16_FROM_ROWS - 1, 128)
+    narrow = ops.linear(exact, x, prefill=False)
+    assert rel_err(narrow, ops._int4.gemm_wide(x, exact.q8, exact.sz8) + b) < 2e-2      # torch's, bfloat16 activations
+    w = torch.randn(96, 128) * 0.1
+    kept = Int4Linear.from_float(w, b, ops)
+    xs = x.repeat(4, 1)
+    assert kept.dense.numel() and rel_err(ops.linear(kept, xs, prefill=True), xs @ w.T + b) < 1e-5
 
 
 def test_wide_steps_of_gguf_q4_layers_run_the_int4_bf16_gemm_and_keep_no_dense_copy() -> None:

@@ -130,9 +130,13 @@ def test_step_activations_follow_the_dense_gemm() -> None:
     own = qg.DENSE_DTYPE == torch.float32 and ops.cpu is not None
     wide512 = own and ops.cpu is not None and ops.cpu.int4.wide_path == "avx512"
     assert ops.narrow_int4 == (own and not wide512)
-    assert ops.own_wide_from == (qg.WIDE512_FROM_ROWS if wide512 else qg.DENSE_FROM_ROWS)
+    q16 = wide512 and ops.cpu is not None and ops.cpu.int4.has_q16      # and with VNNI, gemm_q16, prompt chunks too
+    assert ops.wide_int4_q16 == q16
+    assert ops.own_wide_from == (qg.Q16_FROM_ROWS if q16 else qg.WIDE512_FROM_ROWS if wide512 else qg.DENSE_FROM_ROWS)
     assert ops.own_wide_step(False, ops.own_wide_from) == own and not ops.own_wide_step(False, ops.own_wide_from - 1)
-    assert not ops.own_wide_step(True, 4096) and ops.step_act(ops.own_wide_from, prefill=False) == wide
+    assert ops.own_wide_step(True, 1) == ops.own_wide_step(True, 4096) == q16
+    assert ops.step_act(ops.own_wide_from, prefill=False) == wide
+    assert not Ops(KernelConfig(int16_activations=False)).own_wide_step(True, 4096)
     assert Ops(KernelConfig(batch_invariant=True)).step_act(4096, prefill=True) == torch.bfloat16
 
 

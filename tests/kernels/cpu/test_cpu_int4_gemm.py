@@ -125,6 +125,65 @@ def test_int8_activation_gemm_gives_the_same_bits_in_every_build() -> None:
     assert all(torch.equal(y, ys[0]) for y in ys[1:])
 
 
+def q16_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """gemm_q16's sums in float64: each group of 32 of a row rounded to a multiple of its max |x| / 32767 (in float32,
+    as the kernel: x * (32767 / max), half to even) for the products with q * scale, the group's exact sum for its
+    offset zero - 8 scale."""
+    t, k = x.shape
+    g32 = x.float().view(t, -1, 32)
+    mx = g32.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(mx, 32767.0).div(torch.where(mx > 0, mx, 1.0))
+    h = torch.round(g32 * torch.where(mx > 0, inv, 0.0))
+    xq = (h.double() * (mx / 32767).double()).view(t, k)
+    wq = (q.double().view(q.shape[0], -1, 32) * scale.double()[..., None]).view(q.shape)
+    return xq @ wq.T + x.double().view(t, -1, 32).sum(-1) @ (zero.double() - 8 * scale.double()).T
+
+
+def q16_kernels(variant: CpuKernels) -> int4_gemm.Int4Gemm:
+    if not variant.int4.has_q16:
+        pytest.skip(f"gemm_q16 needs an AVX-512 build on a CPU with AVX-512 VNNI ({variant.variant})")
+    return variant.int4
+
+
+def test_int16_activation_gemm_runs_where_the_build_and_the_cpu_have_it(variant: CpuKernels) -> None:
+    from kernels.cpu.library import cpu_flags
+    assert variant.int4.has_q16 == (variant.int4.wide_path == "avx512" and "avx512_vnni" in cpu_flags())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 151])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 352), (960, 576), (576, 1536)])
+def test_int16_activation_gemm_equals_the_product_of_the_rounded_rows(variant: CpuKernels, rows: int,
+                                                                      shape: tuple[int, int]) -> None:
+    """gemm_q16's agreement criterion: y equals x_q @ W^T within float32 rounding (x_q: each group of 32 of a row
+    rounded to 16 bits), so within half a step of each group a weight of x @ W^T; a row's result its own (row
+    blocks of six with a ragged last one, passes of 144 rows; K in panels of 256 and a remainder; a last half
+    panel of 16 outputs)."""
+    kern = q16_kernels(variant)
+    n, k = shape
+    q, scale, zero, dense = weights(n, k, seed=n + rows)
+    w, sz = int4_gemm.pack(q, scale, zero)
+    x = (torch.randn(rows, k + 24) * 2)[:, 8:8 + k]            # a row stride wider than the row
+    x[0, :32] = 0.0                                            # a group of zeros: no scale to divide by
+    x[-1, k - 5] = 300.0                                       # an outlier: its group's step grows, others' not
+    y = kern.gemm_q16(x, w, sz)
+    want = q16_reference(x, q, scale, zero)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    assert ((y.double() - want).abs().amax(dim=1) <= 1e-5 * want.abs().amax(dim=1)).all()
+    half = (x.double().view(rows, -1, 32).abs().amax(-1) / 65534).repeat_interleave(32, dim=1)
+    wq = (q.double().view(n, -1, 32) * scale.double()[..., None]).view(n, k)
+    assert ((y.double() - x.double() @ dense.T).abs() <= half @ wq.abs().T + 1e-4).all()
+    for t in sorted({0, rows // 2, rows - 1}):                 # a row alone gives the same bits
+        assert torch.equal(kern.gemm_q16(x[t:t + 1], w, sz)[0], y[t])
+
+
+def test_int16_activation_gemm_refuses_shapes_it_does_not_take(variant: CpuKernels) -> None:
+    kern = q16_kernels(variant)
+    w = torch.zeros(3, 64, dtype=torch.int32)                  # 24 outputs: not a multiple of 16
+    with pytest.raises(ValueError, match="int4_gemm_q16"):
+        kern.gemm_q16(torch.zeros(2, 64), w, torch.zeros(3, 2, 2, 8))
+    assert kern.gemm_q16(torch.zeros(0, 64), w[:2], torch.zeros(2, 2, 2, 8)).shape == (0, 16)
+
+
 def test_pack_u8_puts_four_weights_of_one_output_in_a_lane() -> None:
     q, _, _, _ = weights(16, 64, seed=2)
     wu = int4_gemm.pack_u8(q)
