@@ -241,7 +241,7 @@ def cpu_prefill_row(seqs: int, prefix: int, new: int, variants: list[str], gen: 
     attention) and every build with and without cascade, checked against the fallback, then timed. Also the
     K / V bytes each reads (per layer) and the least any can read: the prefix and each suffix once."""
     from kernels.cpu.library import load
-    from kernels.cpu.paged_prefill import BF16_PATHS
+    from kernels.cpu.paged_prefill import BF16_PATHS, I16_PATHS
     from kernels.cpu_backend import CpuAttentionBackend
     from kernels.metadata import AttentionMetadata
 
@@ -277,7 +277,7 @@ def cpu_prefill_row(seqs: int, prefix: int, new: int, variants: list[str], gen: 
             stats = k.prefill.prefill_stats(q, kc, vc, tables, lens, starts, list(range(seqs)), scale, out,
                                             cascade=cascade)
             assert stats is not None
-            tol = 0.005 * vmax if k.prefill.path(torch.bfloat16) in BF16_PATHS else 1e-4
+            tol = 0.005 * vmax if k.prefill.path(torch.bfloat16) in BF16_PATHS + I16_PATHS else 1e-4
             torch.testing.assert_close(out, want, atol=tol, rtol=0)
             row[f"{name}_ms"] = cpu_time_us(lambda k=k, c=cascade: k.prefill.prefill(
                 q, kc, vc, tables, lens, starts, list(range(seqs)), scale, out, cascade=c), iters) / 1e3

@@ -7,6 +7,7 @@ only: setup.py loads this file by path (the build runs before torch can be impor
     portable      -march=x86-64 (any x86-64: SSE2)             nothing
     avx2          -march=x86-64-v3 (AVX2, FMA, F16C, BMI2)     avx2 fma f16c bmi2
     avx512        -march=x86-64-v4 (AVX-512 F/BW/CD/DQ/VL)     + avx512f avx512bw avx512cd avx512dq avx512vl
+    avx512_vnni   + -mavx512vnni                               + avx512_vnni
     avx512_bf16   + -mavx512bf16 -mavx512vnni                  + avx512_bf16 avx512_vnni
     amx           + -mamx-tile -mamx-bf16 -mamx-int8           + amx_tile amx_bf16 amx_int8
 
@@ -55,11 +56,13 @@ class Variant:
 
 _V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-_BF16 = _V4 | {"avx512_bf16", "avx512_vnni"}
+_VNNI = _V4 | {"avx512_vnni"}
+_BF16 = _VNNI | {"avx512_bf16"}
 X86_VARIANTS = (      # from the least to the most demanding
     Variant("portable", ("-march=x86-64", "-mtune=generic"), frozenset()),
     Variant("avx2", ("-march=x86-64-v3", "-mtune=generic"), _V3),
     Variant("avx512", ("-march=x86-64-v4", "-mtune=generic"), _V4),
+    Variant("avx512_vnni", ("-march=x86-64-v4", "-mtune=generic", "-mavx512vnni"), _VNNI),
     Variant("avx512_bf16", ("-march=x86-64-v4", "-mtune=generic", "-mavx512bf16", "-mavx512vnni"), _BF16),
     Variant("amx", ("-march=x86-64-v4", "-mtune=generic", "-mavx512bf16", "-mavx512vnni", "-mamx-tile",
                     "-mamx-bf16", "-mamx-int8"), _BF16 | {"amx_tile", "amx_bf16", "amx_int8"}),

@@ -305,13 +305,8 @@ void micro1(const float* ap, const float* bp, int kc, float* y, int64_t y_stride
 #endif
 
 
-#if defined(PREFIXSERVE_WIDE512)
+#if defined(PREFIXSERVE_WIDE512) && defined(__AVX512VNNI__)
 #define PREFIXSERVE_Q16 1
-#if defined(__AVX512VNNI__)
-#define PS_VNNI
-#else
-#define PS_VNNI __attribute__((target("avx512vnni")))     // an avx512 build: run only where the CPU has VNNI
-#endif
 // -- wide steps on AVX-512 VNNI without BF16 (gemm_q16): 4-bit weights x 16-bit activations, integer dot products --
 // Each row's activations are rounded per group of 32 to 16-bit integers (a = max |x| / 32767, h = round(x / a)),
 // the weights stay their 4-bit values q (0..15) decoded to 16-bit lanes: one vpdpwssd adds 32 products q h into
@@ -332,7 +327,7 @@ constexpr int MB = 24;           // row blocks a pass over the panels: 144 rows 
 // float sum of x.
 inline int64_t block_elems(int K) { return static_cast<int64_t>(K / 2) * MR + 2LL * (K / GROUP) * MR; }
 
-PS_VNNI inline void pack_block(const float* x, int64_t x_stride, int T, int K, int b, int32_t* dst) {
+inline void pack_block(const float* x, int64_t x_stride, int T, int K, int b, int32_t* dst) {
     const int G = K / GROUP;
     float* as = reinterpret_cast<float*>(dst + static_cast<int64_t>(K / 2) * MR);
     float* ss = as + static_cast<int64_t>(G) * MR;
@@ -413,7 +408,7 @@ inline void decode_panel(const uint32_t* w, const float* sz, int K, int blk, int
         float* yr = y + (r) * y_stride + 16 * (col);                                   \
         _mm512_storeu_ps(yr, first ? c : _mm512_add_ps(_mm512_loadu_ps(yr), c));       \
     }
-PS_VNNI void micro2(const int32_t* ap, const float* as, const float* ss, const int32_t* bp, const float* sp, int kc,
+void micro2(const int32_t* ap, const float* as, const float* ss, const int32_t* bp, const float* sp, int kc,
                     float* y, int64_t y_stride, int rows, bool first) {
     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
            c40 = c00, c41 = c00, c50 = c00, c51 = c00;
@@ -437,7 +432,7 @@ PS_VNNI void micro2(const int32_t* ap, const float* as, const float* ss, const i
     Q16_STORE(2, c21, 1) Q16_STORE(3, c30, 0) Q16_STORE(3, c31, 1) Q16_STORE(4, c40, 0) Q16_STORE(4, c41, 1)
     Q16_STORE(5, c50, 0) Q16_STORE(5, c51, 1)
 }
-PS_VNNI void micro1(const int32_t* ap, const float* as, const float* ss, const int32_t* bp, const float* sp, int kc,
+void micro1(const int32_t* ap, const float* as, const float* ss, const int32_t* bp, const float* sp, int kc,
                     float* y, int64_t y_stride, int rows, bool first) {
     __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
     for (int g = 0; g < kc / GROUP; ++g, as += MR, ss += MR, sp += 2 * NR) {
@@ -619,10 +614,10 @@ struct Panels {
     static int kc(int K) { return kc_block(K, 256); }    // a 32 x 256 panel: 16 KB and its scales, in L1
     static int64_t block_elems(int K) { return q16::block_elems(K); }
     static size_t panel_bytes(int kc) { return sizeof(int32_t) * static_cast<size_t>(kc) / 2 * NR + sizeof(float) * static_cast<size_t>(kc) / GROUP * 2 * NR; }
-    PS_VNNI static void pack(const float* x, int64_t x_stride, int T, int K, int b, int32_t* dst) {
+    static void pack(const float* x, int64_t x_stride, int T, int K, int b, int32_t* dst) {
         pack_block(x, x_stride, T, K, b, dst);
     }
-    PS_VNNI static void run(const uint32_t* w, const float* sz, int K, int N, int p, int k0, int kc, void* scratch,
+    static void run(const uint32_t* w, const float* sz, int K, int N, int p, int k0, int kc, void* scratch,
                             const int32_t* ap, int64_t blocks_from, int64_t blocks_to, float* y, int64_t y_stride, int T) {
         const int nc = std::min(2, (N - NR * p) / 16), G = K / GROUP;
         int32_t* bp = static_cast<int32_t*>(scratch);
@@ -798,12 +793,11 @@ int prefixserve_int4_gemm_wide(const float* x, int64_t x_stride, const uint32_t*
 
 // x: [T, K] float32 (row stride x_stride); w, sz: as prefixserve_int4_gemm's; y: [T, N] float32 (row stride
 // y_stride). The same product with each group of 32 of a row rounded to 16-bit integers (gemm_q16, above). Returns
-// 0; -1 for shapes it does not take (N % 16, K % 32) or no memory for the scratch; -2 where the build or the CPU
-// lacks it (prefixserve_int4_gemm_has_q16).
+// 0; -1 for shapes it does not take (N % 16, K % 32) or no memory for the scratch; -2 on a build without AVX-512
+// VNNI (prefixserve_int4_gemm_has_q16).
 int prefixserve_int4_gemm_q16(const float* x, int64_t x_stride, const uint32_t* w, const float* sz, float* y,
                               int64_t y_stride, int T, int N, int K) {
 #if defined(PREFIXSERVE_Q16)
-    if (!__builtin_cpu_supports("avx512vnni")) return -2;
     if (N % 16 != 0 || K % GROUP != 0 || T < 0) return -1;
     if (T == 0) return 0;
     return wide_driver<q16::Panels>(x, x_stride, w, sz, y, y_stride, T, N, K);
@@ -813,10 +807,10 @@ int prefixserve_int4_gemm_q16(const float* x, int64_t x_stride, const uint32_t* 
 #endif
 }
 
-// Whether gemm_q16 runs here: an AVX-512 build, on a CPU with AVX-512 VNNI.
+// Whether this build has gemm_q16 (AVX-512 VNNI builds).
 int prefixserve_int4_gemm_has_q16() {
 #if defined(PREFIXSERVE_Q16)
-    return __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+    return 1;
 #else
     return 0;
 #endif

@@ -13,7 +13,7 @@
     gemm_q16(x, w, sz)    the same product with each group of 32 of a row rounded to 16-bit integers (a = max |x| /
                           32767) times the 4-bit weights as 16-bit lanes: vpdpwssd (32 products an instruction,
                           twice a float32 FMA's), exact integer sums a group, then the group's scales in float32;
-                          AVX-512 builds on a CPU with VNNI (`has_q16`): panels of 32 outputs x <= 256 inputs, 6 rows
+                          AVX-512 VNNI builds (`has_q16`): panels of 32 outputs x <= 256 inputs, 6 rows
                           x 32 outputs a pass. What an AVX-512 CPU without BF16 (Cascade Lake) runs for a GGUF Q4
                           layer's prompt chunks and wide decode steps (kernels/ops.py)
     pack_bf16(q, s, z)    (w4 [N / 16, K / 2, 16] uint8: byte (p, w, 2 j + c) holds q[16 p + j, 2 w + c] and,
@@ -137,7 +137,7 @@ class Int4Gemm:
         self.path: str = lib.prefixserve_int4_gemm_path().decode()      # the loops it runs: avx2, generic
         self.wide_path: str = lib.prefixserve_int4_gemm_wide_path().decode()   # gemm_wide's: avx512, avx2, generic
         self.has_bf16 = bool(lib.prefixserve_int4_gemm_has_bf16())      # gemm_bf16 (AVX-512 BF16 builds)
-        self.has_q16 = bool(lib.prefixserve_int4_gemm_has_q16())        # gemm_q16 (AVX-512 builds, VNNI CPUs)
+        self.has_q16 = bool(lib.prefixserve_int4_gemm_has_q16())        # gemm_q16 (AVX-512 VNNI builds)
 
     def gemm(self, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         return self._call_int4(self._lib.prefixserve_int4_gemm, "int4_gemm", x, w, sz)
@@ -149,7 +149,7 @@ class Int4Gemm:
     def gemm_q16(self, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         """gemm's product with each group of 32 of a row rounded to 16-bit integers (`has_q16`; the module's
         docstring)."""
-        assert self.has_q16, "gemm_q16 needs an AVX-512 build on a CPU with AVX-512 VNNI"
+        assert self.has_q16, "gemm_q16 needs an AVX-512 VNNI build"
         return self._call_int4(self._lib.prefixserve_int4_gemm_q16, "int4_gemm_q16", x, w, sz)
 
     def _call_int4(self, fn: Any, name: str, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@
 //                and softmax, their two products as TDPBF16PS on blocks of 16 rows;
 //   bf16 tiles (bf16_tile.h; AVX-512 BF16 builds, bf16 caches): the products as bf16 dot products (vdpbf16ps)
 //                of q * scale and the softmax weights rounded to bf16, float32 sums;
+//   int16 tiles (i16_tile.h; AVX-512 VNNI builds without BF16, bf16 caches): the products as 16-bit integer dot
+//                products (vpdpwssd) of q * scale, K, V and the weights each rounded with its own scale;
 //   float32 tiles (f32_tile.h; every other build, and float32 caches everywhere): float32 products with FMA.
 //
 // An item's rows are query tokens of one or more sequences, each with the G query heads of one KV head (GQA:
@@ -39,6 +41,7 @@
 #include "amx_tile.h"
 #include "bf16_tile.h"
 #include "f32_tile.h"
+#include "i16_tile.h"
 
 namespace {
 
@@ -300,16 +303,17 @@ struct F32Tiles {
     }
 };
 
-#if defined(PREFIXSERVE_BF16)
-// The softmax between a tile's two products, for the bf16 and the AMX tiles alike: rows [x0, nr) of the scores sc
-// (a row's TILE floats, its first n the tile's keys) become their weights as bf16 pairs in pw (a row's TILE / 2
-// words, zero past its keys), and mx, sum, alpha move on. Each row's new max over its keys (those at positions <= its
-// own), then the rescale factors e^(old - new) 16 rows at a time, then each row's weights e^(s - max) (e^x as
-// 2^(x log2 e): vexp2, one float32 multiply-subtract per 16 weights; the scores stay in natural units, so q * scale, a
-// power of two for the usual head sizes, is not rounded again).
-inline void bf16_weights(const float* sc, int n, int t0, int x0, int nr, const int* pos, float* mx, float* sum,
-                         float* alpha, float* top, uint32_t* pw) {
-    using namespace prefixserve_bf16;
+#if defined(PREFIXSERVE_BF16) || defined(PREFIXSERVE_I16)
+// The softmax between a tile's two products, for the bf16, AMX and int16 tiles alike: rows [x0, nr) of the scores sc
+// (a row's TILE floats, its first n the tile's keys) become their weights, handed to emit(x, e) (row x's TILE / 16
+// vectors, zero past its keys) for the tiles to round and pack, and mx, sum, alpha move on. Each row's new max over
+// its keys (those at positions <= its own), then the rescale factors e^(old - new) 16 rows at a time, then each row's
+// weights e^(s - max) (e^x as 2^(x log2 e): vexp2, one float32 multiply-subtract per 16 weights; the scores stay in
+// natural units, so q * scale, a power of two for the usual head sizes, is not rounded again).
+template <typename Emit>
+inline void tile_weights(const float* sc, int n, int t0, int x0, int nr, const int* pos, float* mx, float* sum,
+                         float* alpha, float* top, Emit emit) {
+    using prefixserve_simd::exp2_weight;
     constexpr float LOG2E = 1.4426950408889634f;
     const int chunks = (n + 15) / 16;
     for (int x = x0; x < nr; ++x) {
@@ -332,7 +336,6 @@ inline void bf16_weights(const float* sc, int n, int t0, int x0, int nr, const i
     }
     for (int x = x0; x < nr; ++x) {
         const int valid = std::min(n, pos[x] - t0 + 1);
-        uint32_t* pr = pw + static_cast<int64_t>(x) * (TILE / 2);
         const float* s_ = sc + static_cast<int64_t>(x) * TILE;
         const __m512 tv = _mm512_set1_ps(mx[x] * LOG2E), l2e = _mm512_set1_ps(LOG2E);
         __m512 e[TILE / 16];
@@ -345,8 +348,19 @@ inline void bf16_weights(const float* sc, int n, int t0, int x0, int nr, const i
             tot = _mm512_add_ps(tot, e[c]);
         }
         sum[x] = sum[x] * alpha[x] + _mm512_reduce_add_ps(tot);
-        for (int c = 0; c < TILE / 16; c += 2) pack_p(e[c], e[c + 1], pr + c * 8);
+        emit(x, e);
     }
+}
+#endif
+
+#if defined(PREFIXSERVE_BF16)
+// The bf16 and AMX tiles' weights: rounded to bf16 token pairs in pw (a row's TILE / 2 words).
+inline void bf16_weights(const float* sc, int n, int t0, int x0, int nr, const int* pos, float* mx, float* sum,
+                         float* alpha, float* top, uint32_t* pw) {
+    tile_weights(sc, n, t0, x0, nr, pos, mx, sum, alpha, top, [pw](int x, const __m512* e) {
+        uint32_t* pr = pw + static_cast<int64_t>(x) * (TILE / 2);
+        for (int c = 0; c < TILE / 16; c += 2) prefixserve_bf16::pack_p(e[c], e[c + 1], pr + c * 8);
+    });
 }
 
 // bf16 tiles (D = 16 NV) over a bf16 cache.
@@ -451,6 +465,56 @@ struct AmxTiles : Bf16Tiles<NV> {      // the bf16 tiles' buffers, for whole blo
 };
 #endif
 
+#if defined(PREFIXSERVE_I16)
+// int16 tiles (D = 16 NV) over a bf16 cache (i16_tile.h): the bf16 tiles' walk and softmax, the products as 16-bit
+// integer dot products, each side with its scales.
+template <int NV>
+struct I16Tiles {
+    static constexpr int W = 8 * NV, D = 16 * NV;     // 32-bit words (dimension pairs) a row; dimensions
+    static constexpr bool PREFETCH = false;
+    uint32_t *qw, *kt, *vt, *pw;
+    float *qs, *ks, *vs, *ps, *sc, *alpha, *top;
+    const uint32_t** qrow;
+    const uint32_t** prow;
+    I16Tiles(int nr, int) {
+        thread_local std::vector<uint32_t> qb, kb, vb, pb;
+        thread_local std::vector<float> qsb, ksb, vsb, psb, sb, ab, tb;
+        thread_local std::vector<const uint32_t*> rb, pr;
+        qw = aligned(qb, static_cast<size_t>(nr) * W);
+        kt = aligned(kb, static_cast<size_t>(TILE) * W);
+        vt = aligned(vb, static_cast<size_t>(TILE / 2) * D);
+        pw = aligned(pb, static_cast<size_t>(nr) * TILE / 2);
+        qs = aligned(qsb, nr);
+        ks = aligned(ksb, TILE);
+        vs = aligned(vsb, TILE);
+        ps = aligned(psb, nr);
+        sc = aligned(sb, static_cast<size_t>(nr) * TILE);
+        alpha = aligned(ab, nr);
+        top = aligned(tb, nr);
+        qrow = aligned(rb, nr);
+        prow = aligned(pr, nr);
+    }
+    void set_q(int x, const float* src, float scale) {
+        qrow[x] = qw + static_cast<int64_t>(x) * W;
+        prow[x] = pw + static_cast<int64_t>(x) * (TILE / 2);
+        prefixserve_i16::pack_q(src, scale, D, qw + static_cast<int64_t>(x) * W, qs + x);
+    }
+    void step(const uint16_t* const* krow, const uint16_t* const* vrow, int n, int t0, int x0, int nr, const int* pos,
+              float* mx, float* sum, float* const* acc) {
+        using namespace prefixserve_i16;
+        const int chunks = (n + 15) / 16, rows = nr - x0;
+        pack_k(krow, n, D, kt, ks);
+        pack_v(vrow, n, D, TILE, vt, vs);
+        scores_chunks(qrow + x0, qs + x0, rows, kt, ks, W, chunks, sc + static_cast<int64_t>(x0) * TILE, TILE);
+        const float lim = limit(TILE);
+        tile_weights(sc, n, t0, x0, nr, pos, mx, sum, alpha, top, [&](int x, const __m512* e) {
+            pack_p<TILE / 16>(e, vs, lim, pw + static_cast<int64_t>(x) * (TILE / 2), ps + x);
+        });
+        values_rows<NV>(acc + x0, alpha + x0, prow + x0, ps + x0, vt, (n + 1) / 2, rows);
+    }
+};
+#endif
+
 template <typename KV>
 inline void prefetch_row(const KV* p, int D) {
     for (int64_t b = 0; b < static_cast<int64_t>(sizeof(KV)) * D; b += 64)
@@ -548,9 +612,9 @@ void prefill(const Args& A, const Plan& p) {
     }
 }
 
-#if defined(PREFIXSERVE_BF16)
-// The prefill over a bf16 cache with tiles of bf16 dimension pairs (Bf16Tiles, AmxTiles) for head_dim 16 NV, NV in
-// 2, 4, 6, 8, 16; false for another head_dim.
+#if defined(PREFIXSERVE_BF16) || defined(PREFIXSERVE_I16)
+// The prefill over a bf16 cache with tiles of dimension pairs (Bf16Tiles, AmxTiles, I16Tiles) for head_dim 16 NV, NV
+// in 2, 4, 6, 8, 16; false for another head_dim.
 template <template <int> class Tiles>
 bool prefill_pairs(const Args& A, const Plan& p) {
     switch (A.D / 16) {
@@ -625,12 +689,15 @@ int prefixserve_paged_prefill(const float* q, const void* kc, const void* vc, co
     }
     if (prefill_pairs<Bf16Tiles>(A, p)) return 0;
 #endif
+#if defined(PREFIXSERVE_I16)
+    if (kv_dtype == 1 && prefill_pairs<I16Tiles>(A, p)) return 0;
+#endif
     prefill<F32Tiles<uint16_t>, uint16_t>(A, p);
     return 0;
 }
 
 // The loops a cache dtype runs with `tiles` (as prefixserve_paged_prefill's): "amx" (bf16 products as AMX tiles),
-// "avx512_bf16" (bf16 products), "avx512", "avx2" or "generic" (float32 products).
+// "avx512_bf16" (bf16 products), "avx512_vnni" (int16 products), "avx512", "avx2" or "generic" (float32 products).
 const char* prefixserve_paged_prefill_path(int kv_dtype, int head_dim, int tiles) {
     if ((tiles == 0 && amx_default(kv_dtype, head_dim)) || (tiles == 2 && amx_takes(kv_dtype, head_dim)))
         return "amx";
@@ -638,6 +705,10 @@ const char* prefixserve_paged_prefill_path(int kv_dtype, int head_dim, int tiles
     if (kv_dtype == 1 && head_dim % 32 == 0 && (head_dim / 16 == 2 || head_dim / 16 == 4 || head_dim / 16 == 6 ||
                                                 head_dim / 16 == 8 || head_dim / 16 == 16))
         return "avx512_bf16";
+#elif defined(PREFIXSERVE_I16)
+    if (kv_dtype == 1 && head_dim % 32 == 0 && (head_dim / 16 == 2 || head_dim / 16 == 4 || head_dim / 16 == 6 ||
+                                                head_dim / 16 == 8 || head_dim / 16 == 16))
+        return "avx512_vnni";
 #else
     (void)kv_dtype; (void)head_dim;
 #endif

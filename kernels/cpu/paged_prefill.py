@@ -6,10 +6,12 @@ of them instead of once each.
     q [num_tokens, num_heads, head_dim] float32 -> out, the same shape (rows of the listed sequences)
     key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim] bfloat16 or float32, head_dim contiguous
 
-Three kinds of loops (`path`): on an AMX build, a bf16 cache's two products are AMX tiles (TDPBF16PS on blocks of
+Four kinds of loops (`path`): on an AMX build, a bf16 cache's two products are AMX tiles (TDPBF16PS on blocks of
 16 rows, "amx"; head_dim a multiple of 32); on a build with AVX-512 BF16, bf16 dot products with float32 sums
-("avx512_bf16"); everywhere else, and for float32 caches, float32 products with FMA ("avx512", "avx2", or
-"generic": portable loops). The AMX tiles share the bf16 tiles' packing, rounding and softmax and differ from them
+("avx512_bf16"); on an AVX-512 VNNI build without BF16 (Cascade Lake, Ice Lake), 16-bit integer dot products with
+exact 32-bit sums ("avx512_vnni": q * scale, K and V rows each rounded with their own scale, the weights a row of a
+tile at a time; kernels/cpu/i16_tile.h); everywhere else, and for float32 caches, float32 products with FMA
+("avx512", "avx2", or "generic": portable loops). The AMX tiles share the bf16 tiles' packing, rounding and softmax and differ from them
 only in the order of the float32 sums. `with_tiles(AMX)` forces them; on a build with AVX-512 BF16 and no AMX they
 then run emulated (kernels/cpu/amx_tile.h: the instructions' documented semantics, in memory), which is how the
 tests check their logic on CPUs without AMX.
@@ -17,7 +19,8 @@ tests check their logic on CPUs without AMX.
 Agreement criteria (tested in tests/kernels/cpu/test_cpu_prefill.py, the AMX tiles emulated where there is no AMX):
 - against float64 attention over the same cache: float32 products, within float32 rounding (2e-5 of the
   largest |V|); bf16 products (vector or AMX tiles), within 0.5% of the largest |V| (the kernel rounds q * scale
-  and the softmax weights to bf16; measured 0.07-0.15%);
+  and the softmax weights to bf16; measured 0.07-0.15%); int16 products, within the same 0.5% (each side rounded
+  to 2^-13.5 of its vector's largest, at head_dim 64);
 - bit for bit the same output for a token however its prompt was cut into chunks, however much of it came
   from the prefix cache, and with or without cascade, given the same K and V in the cache: every row walks
   the same tiles, aligned to absolute positions, with the same arithmetic, and the cascade only saves a row's
@@ -40,6 +43,7 @@ import torch
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 BEST, VECTOR, AMX = 0, 1, 2      # `tiles`: the build's best loops, the vector tiles, the AMX tiles
 BF16_PATHS = ("avx512_bf16", "amx")   # the loops (`path`, and PagedDecode.path) whose products are bf16
+I16_PATHS = ("avx512_vnni",)          # the prefill loops whose products are 16-bit integers (rounded inputs)
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -128,4 +132,4 @@ class PagedPrefill:
         return PrefillStats(groups, shared, keys)
 
 
-__all__ = ["AMX", "BEST", "BF16_PATHS", "VECTOR", "PagedPrefill", "PrefillStats", "supports"]
+__all__ = ["AMX", "BEST", "BF16_PATHS", "I16_PATHS", "VECTOR", "PagedPrefill", "PrefillStats", "supports"]

@@ -25,6 +25,46 @@ inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), p, n);
 }
+
+// 2^x for the softmax weights that the bf16 and int16 tiles round (paged_prefill.cpp) (x <= 0): x = n + r, n = round(x), 2^r by a
+// degree-4 polynomial on |r| <= 1/2 (Chebyshev nodes; within 3.6e-6 of 2^r in float32 on a 2e5-point grid, far
+// under the 2^-9 the rounding to bfloat16 adds), times 2^n by vscalefps. Two FMAs fewer than the float32 tiles'
+// ~1 ulp vexp2: the weights are a quarter of a tile's vector work besides its dot products. x clamped at -126.
+inline __m512 exp2_weight(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(9.66636836528778e-3f), r, _mm512_set1_ps(5.5921975523233414e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402234971523285e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931210160255432e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// 16 x 16 32-bit words, in place
+inline void transpose16(__m512i* r) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+    }
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)

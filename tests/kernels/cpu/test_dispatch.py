@@ -17,6 +17,7 @@ from kernels.cpu.library import LIB_DIR, KernelUnavailable, choose, cpu_flags, l
 ALL = [v.name for v in build.X86_VARIANTS]
 AVX2_CPU = frozenset("fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe".split())        # Zen 3: no AVX-512
 ZEN4 = AVX2_CPU | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"}
+CASCADE_LAKE = ZEN4 - {"avx512_bf16"}                                             # AVX-512 VNNI, no BF16
 SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
@@ -24,6 +25,8 @@ def test_auto_picks_the_best_variant_the_cpu_has() -> None:
     assert choose("auto", frozenset(), ALL, "x86_64") == "portable"             # a CPU the build did not target
     assert choose("auto", AVX2_CPU, ALL, "x86_64") == "avx2"
     assert choose("auto", ZEN4, ALL, "x86_64") == "avx512_bf16"
+    assert choose("auto", CASCADE_LAKE, ALL, "x86_64") == "avx512_vnni"
+    assert choose("auto", CASCADE_LAKE - {"avx512_vnni"}, ALL, "x86_64") == "avx512"        # Skylake-SP
     assert choose("auto", SAPPHIRE_RAPIDS, ALL, "x86_64") == "amx"
     assert choose("auto", SAPPHIRE_RAPIDS, ["portable", "avx2"], "x86_64") == "avx2"   # an older compiler's build
     assert choose("auto", AVX2_CPU - {"fma"}, ALL, "x86_64") == "portable"      # every flag of a variant, or not it
