@@ -6,15 +6,15 @@ of them instead of once each.
     q [num_tokens, num_heads, head_dim] float32 -> out, the same shape (rows of the listed sequences)
     key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim] bfloat16 or float32, head_dim contiguous
 
-Four kinds of loops (`path`): on an AMX build, a bf16 cache's two products are AMX tiles (TDPBF16PS on blocks of
-16 rows, "amx"; head_dim a multiple of 32); on a build with AVX-512 BF16, bf16 dot products with float32 sums
+Four kinds of loops (`path`): on an AMX build, a bf16 cache's two products are AMX tiles (TDPBF16PS on blocks of 16
+rows, "amx"; head_dim a multiple of 32); on a build with AVX-512 BF16, bf16 dot products with float32 sums
 ("avx512_bf16"); on an AVX-512 VNNI build without BF16 (Cascade Lake, Ice Lake), 16-bit integer dot products with
 exact 32-bit sums ("avx512_vnni": q * scale, K and V rows each rounded with their own scale, the weights a row of a
 tile at a time; kernels/cpu/i16_tile.h); everywhere else, and for float32 caches, float32 products with FMA
-("avx512", "avx2", or "generic": portable loops). The AMX tiles share the bf16 tiles' packing, rounding and softmax and differ from them
-only in the order of the float32 sums. `with_tiles(AMX)` forces them; on a build with AVX-512 BF16 and no AMX they
-then run emulated (kernels/cpu/amx_tile.h: the instructions' documented semantics, in memory), which is how the
-tests check their logic on CPUs without AMX.
+("avx512", "avx2", or "generic": portable loops). The AMX tiles share the bf16 tiles' packing, rounding and softmax
+and differ from them only in the order of the float32 sums. `with_tiles(AMX)` forces them; on a build with AVX-512
+BF16 and no AMX they then run emulated (kernels/cpu/amx_tile.h: the instructions' documented semantics, in memory),
+which is how the tests check their logic on CPUs without AMX.
 
 Agreement criteria (tested in tests/kernels/cpu/test_cpu_prefill.py, the AMX tiles emulated where there is no AMX):
 - against float64 attention over the same cache: float32 products, within float32 rounding (2e-5 of the
