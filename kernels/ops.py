@@ -46,6 +46,7 @@ from kernels.cpu.layers import LayerHalves
 from kernels.cpu.library import CpuKernels, KernelUnavailable, cpu_flags
 from kernels.cpu.library import load as load_cpu_kernels
 from kernels.cpu.logits import MAX_K
+from kernels.cpu.paged_prefill import I16_PATHS
 from kernels.cpu_backend import INVARIANT_SPLIT_TOKENS
 
 BF16_HEAD_REFINE = 16            # a bfloat16 head's rows are off by bfloat16 rounding only: its top 16
@@ -453,7 +454,8 @@ class Ops:
 def _prefill_impl(cpu: CpuKernels) -> str:
     """The prefill kernel's loops for each cache dtype (kernels/cpu/paged_prefill.py: bf16 or float32 products)."""
     bf16, f32 = cpu.prefill.path(torch.bfloat16), cpu.prefill.path(torch.float32)
-    loops = (f"{bf16} bf16 products over bf16 caches, {f32} float32 products over float32 caches" if bf16 != f32
+    products = "int16" if bf16 in I16_PATHS else "bf16"
+    loops = (f"{bf16} {products} products over bf16 caches, {f32} float32 products over float32 caches" if bf16 != f32
              else f"{f32} float32 products")
     return f"c++ {cpu.variant} ({loops}; shared prefixes walked once (cascade))"
 

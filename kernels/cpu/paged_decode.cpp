@@ -91,30 +91,11 @@ void tile_generic(const Rows& r, const KV* const* krow, const KV* const* vrow, i
 #if defined(__AVX512F__)
 using prefixserve_simd::exp512;
 
-inline void transpose16(__m512* r) {      // 16 x 16 32-bit words, in place
-    __m512 t[16];
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {
-        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int i = 0; i < 4; ++i) {
-        t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
-        t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
-        t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
-        t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
-    }
-    for (int i = 0; i < 8; ++i) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
-    }
+inline void transpose16(__m512* r) {      // 16 x 16 32-bit words, in place: the integer words' shuffles
+    __m512i w[16];
+    for (int i = 0; i < 16; ++i) w[i] = _mm512_castps_si512(r[i]);
+    prefixserve_simd::transpose16(w);
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_castsi512_ps(w[i]);
 }
 
 // K rows k[0..m) (m <= 16, one pointer a token), transposed to float32: kt[d * 16 + j] = k[j][d], zero past m.

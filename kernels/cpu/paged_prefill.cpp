@@ -303,6 +303,36 @@ struct F32Tiles {
     }
 };
 
+// The buffers of the tiles of dimension pairs (bf16, AMX and int16 tiles; D = 16 NV): each row's q words and
+// weight words, the tile's packed K and V, the scores and the softmax's factors.
+template <int NV>
+struct PairBuffers {
+    static constexpr int W = 8 * NV, D = 16 * NV;     // 32-bit words (dimension pairs) a row; dimensions
+    uint32_t *qw, *kt, *vt, *pw;
+    float *sc, *alpha, *top;
+    const uint32_t** qrow;
+    const uint32_t** prow;
+    explicit PairBuffers(int nr) {
+        thread_local std::vector<uint32_t> qb, kb, vb, pb;
+        thread_local std::vector<float> sb, ab, tb;
+        thread_local std::vector<const uint32_t*> rb, pr;
+        qw = aligned(qb, static_cast<size_t>(nr) * W);
+        kt = aligned(kb, static_cast<size_t>(TILE) * W);
+        vt = aligned(vb, static_cast<size_t>(TILE / 2) * D);
+        pw = aligned(pb, static_cast<size_t>(nr) * TILE / 2);
+        sc = aligned(sb, static_cast<size_t>(nr) * TILE);
+        alpha = aligned(ab, nr);
+        top = aligned(tb, nr);
+        qrow = aligned(rb, nr);
+        prow = aligned(pr, nr);
+    }
+    uint32_t* rows(int x) {      // row x's q and weight rows; its q words, to fill
+        qrow[x] = qw + static_cast<int64_t>(x) * W;
+        prow[x] = pw + static_cast<int64_t>(x) * (TILE / 2);
+        return qw + static_cast<int64_t>(x) * W;
+    }
+};
+
 #if defined(PREFIXSERVE_BF16) || defined(PREFIXSERVE_I16)
 // The softmax between a tile's two products, for the bf16, AMX and int16 tiles alike: rows [x0, nr) of the scores sc
 // (a row's TILE floats, its first n the tile's keys) become their weights, handed to emit(x, e) (row x's TILE / 16
@@ -365,33 +395,24 @@ inline void bf16_weights(const float* sc, int n, int t0, int x0, int nr, const i
 
 // bf16 tiles (D = 16 NV) over a bf16 cache.
 template <int NV>
-struct Bf16Tiles {
-    static constexpr int W = 8 * NV, D = 16 * NV;     // 32-bit words (dimension pairs) a row; dimensions
+struct Bf16Tiles : PairBuffers<NV> {
+    using PairBuffers<NV>::W;
+    using PairBuffers<NV>::D;
+    using PairBuffers<NV>::qw;
+    using PairBuffers<NV>::kt;
+    using PairBuffers<NV>::vt;
+    using PairBuffers<NV>::pw;
+    using PairBuffers<NV>::sc;
+    using PairBuffers<NV>::alpha;
+    using PairBuffers<NV>::top;
+    using PairBuffers<NV>::qrow;
+    using PairBuffers<NV>::prow;
     // No prefetch of the next tile: its ~256 prefetches a tile cost more than they saved, in place and into L2
     // alike (measured: 30 layers of 2,048 prompt tokens 497 -> 455 ms without them, with the weights' exp2 below)
     static constexpr bool PREFETCH = false;
-    uint32_t *qw, *kt, *vt, *pw;
-    float *sc, *alpha, *top;
-    const uint32_t** qrow;
-    const uint32_t** prow;
-    Bf16Tiles(int nr, int) {
-        thread_local std::vector<uint32_t> qb, kb, vb, pb;
-        thread_local std::vector<float> sb, ab, tb;
-        thread_local std::vector<const uint32_t*> rb, pr;
-        qw = aligned(qb, static_cast<size_t>(nr) * W);
-        kt = aligned(kb, static_cast<size_t>(TILE) * W);
-        vt = aligned(vb, static_cast<size_t>(TILE / 2) * D);
-        pw = aligned(pb, static_cast<size_t>(nr) * TILE / 2);
-        sc = aligned(sb, static_cast<size_t>(nr) * TILE);
-        alpha = aligned(ab, nr);
-        top = aligned(tb, nr);
-        qrow = aligned(rb, nr);
-        prow = aligned(pr, nr);
-    }
+    Bf16Tiles(int nr, int) : PairBuffers<NV>(nr) {}
     void set_q(int x, const float* src, float scale) {
-        qrow[x] = qw + static_cast<int64_t>(x) * W;
-        prow[x] = pw + static_cast<int64_t>(x) * (TILE / 2);
-        prefixserve_bf16::pack_q(src, scale, D, qw + static_cast<int64_t>(x) * W);
+        prefixserve_bf16::pack_q(src, scale, D, this->rows(x));
     }
     void step(const uint16_t* const* krow, const uint16_t* const* vrow, int n, int t0, int x0, int nr, const int* pos,
               float* mx, float* sum, float* const* acc) {
@@ -469,35 +490,28 @@ struct AmxTiles : Bf16Tiles<NV> {      // the bf16 tiles' buffers, for whole blo
 // int16 tiles (D = 16 NV) over a bf16 cache (i16_tile.h): the bf16 tiles' walk and softmax, the products as 16-bit
 // integer dot products, each side with its scales.
 template <int NV>
-struct I16Tiles {
-    static constexpr int W = 8 * NV, D = 16 * NV;     // 32-bit words (dimension pairs) a row; dimensions
+struct I16Tiles : PairBuffers<NV> {
+    using PairBuffers<NV>::W;
+    using PairBuffers<NV>::D;
+    using PairBuffers<NV>::kt;
+    using PairBuffers<NV>::vt;
+    using PairBuffers<NV>::pw;
+    using PairBuffers<NV>::sc;
+    using PairBuffers<NV>::alpha;
+    using PairBuffers<NV>::top;
+    using PairBuffers<NV>::qrow;
+    using PairBuffers<NV>::prow;
     static constexpr bool PREFETCH = false;
-    uint32_t *qw, *kt, *vt, *pw;
-    float *qs, *ks, *vs, *ps, *sc, *alpha, *top;
-    const uint32_t** qrow;
-    const uint32_t** prow;
-    I16Tiles(int nr, int) {
-        thread_local std::vector<uint32_t> qb, kb, vb, pb;
-        thread_local std::vector<float> qsb, ksb, vsb, psb, sb, ab, tb;
-        thread_local std::vector<const uint32_t*> rb, pr;
-        qw = aligned(qb, static_cast<size_t>(nr) * W);
-        kt = aligned(kb, static_cast<size_t>(TILE) * W);
-        vt = aligned(vb, static_cast<size_t>(TILE / 2) * D);
-        pw = aligned(pb, static_cast<size_t>(nr) * TILE / 2);
+    float *qs, *ks, *vs, *ps;      // the scales: of each q row, each key's K and V rows, each row's weights
+    I16Tiles(int nr, int) : PairBuffers<NV>(nr) {
+        thread_local std::vector<float> qsb, ksb, vsb, psb;
         qs = aligned(qsb, nr);
         ks = aligned(ksb, TILE);
         vs = aligned(vsb, TILE);
         ps = aligned(psb, nr);
-        sc = aligned(sb, static_cast<size_t>(nr) * TILE);
-        alpha = aligned(ab, nr);
-        top = aligned(tb, nr);
-        qrow = aligned(rb, nr);
-        prow = aligned(pr, nr);
     }
     void set_q(int x, const float* src, float scale) {
-        qrow[x] = qw + static_cast<int64_t>(x) * W;
-        prow[x] = pw + static_cast<int64_t>(x) * (TILE / 2);
-        prefixserve_i16::pack_q(src, scale, D, qw + static_cast<int64_t>(x) * W, qs + x);
+        prefixserve_i16::pack_q(src, scale, D, this->rows(x), qs + x);
     }
     void step(const uint16_t* const* krow, const uint16_t* const* vrow, int n, int t0, int x0, int nr, const int* pos,
               float* mx, float* sum, float* const* acc) {
