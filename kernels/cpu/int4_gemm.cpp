@@ -651,7 +651,7 @@ int wide_driver(const float* x, int64_t x_stride, const uint32_t* w, const float
     constexpr int R = P::MR_;
     const int blocks = (T + R - 1) / R, KC = P::kc(K), panels = (N + P::NR_ - 1) / P::NR_;
     const int64_t per_block = P::block_elems(K);
-    A* ap = static_cast<A*>(std::aligned_alloc(64, sizeof(A) * static_cast<size_t>(blocks * per_block + 16)));
+    A* ap = static_cast<A*>(std::aligned_alloc(64, (sizeof(A) * static_cast<size_t>(blocks * per_block) + 63) / 64 * 64));
     if (ap == nullptr) return -1;
     int failed = 0;
     #pragma omp parallel

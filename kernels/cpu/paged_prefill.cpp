@@ -303,16 +303,15 @@ struct F32Tiles {
     }
 };
 
-// The buffers of the tiles of dimension pairs (bf16, AMX and int16 tiles; D = 16 NV): each row's q words and
-// weight words, the tile's packed K and V, the scores and the softmax's factors.
-template <int NV>
+// The buffers of the tiles of dimension pairs (bf16, AMX and int16 tiles; W words a row, D = 2 W dimensions): each
+// row's q words and weight words, the tile's packed K and V, the scores and the softmax's factors.
 struct PairBuffers {
-    static constexpr int W = 8 * NV, D = 16 * NV;     // 32-bit words (dimension pairs) a row; dimensions
+    int w_;
     uint32_t *qw, *kt, *vt, *pw;
     float *sc, *alpha, *top;
     const uint32_t** qrow;
     const uint32_t** prow;
-    explicit PairBuffers(int nr) {
+    PairBuffers(int nr, int W, int D) : w_(W) {
         thread_local std::vector<uint32_t> qb, kb, vb, pb;
         thread_local std::vector<float> sb, ab, tb;
         thread_local std::vector<const uint32_t*> rb, pr;
@@ -327,9 +326,9 @@ struct PairBuffers {
         prow = aligned(pr, nr);
     }
     uint32_t* rows(int x) {      // row x's q and weight rows; its q words, to fill
-        qrow[x] = qw + static_cast<int64_t>(x) * W;
+        qrow[x] = qw + static_cast<int64_t>(x) * w_;
         prow[x] = pw + static_cast<int64_t>(x) * (TILE / 2);
-        return qw + static_cast<int64_t>(x) * W;
+        return qw + static_cast<int64_t>(x) * w_;
     }
 };
 
@@ -395,24 +394,14 @@ inline void bf16_weights(const float* sc, int n, int t0, int x0, int nr, const i
 
 // bf16 tiles (D = 16 NV) over a bf16 cache.
 template <int NV>
-struct Bf16Tiles : PairBuffers<NV> {
-    using PairBuffers<NV>::W;
-    using PairBuffers<NV>::D;
-    using PairBuffers<NV>::qw;
-    using PairBuffers<NV>::kt;
-    using PairBuffers<NV>::vt;
-    using PairBuffers<NV>::pw;
-    using PairBuffers<NV>::sc;
-    using PairBuffers<NV>::alpha;
-    using PairBuffers<NV>::top;
-    using PairBuffers<NV>::qrow;
-    using PairBuffers<NV>::prow;
+struct Bf16Tiles : PairBuffers {
+    static constexpr int W = 8 * NV, D = 16 * NV;     // 32-bit words (dimension pairs) a row; dimensions
     // No prefetch of the next tile: its ~256 prefetches a tile cost more than they saved, in place and into L2
     // alike (measured: 30 layers of 2,048 prompt tokens 497 -> 455 ms without them, with the weights' exp2 below)
     static constexpr bool PREFETCH = false;
-    Bf16Tiles(int nr, int) : PairBuffers<NV>(nr) {}
+    Bf16Tiles(int nr, int) : PairBuffers(nr, W, D) {}
     void set_q(int x, const float* src, float scale) {
-        prefixserve_bf16::pack_q(src, scale, D, this->rows(x));
+        prefixserve_bf16::pack_q(src, scale, D, rows(x));
     }
     void step(const uint16_t* const* krow, const uint16_t* const* vrow, int n, int t0, int x0, int nr, const int* pos,
               float* mx, float* sum, float* const* acc) {
@@ -490,20 +479,11 @@ struct AmxTiles : Bf16Tiles<NV> {      // the bf16 tiles' buffers, for whole blo
 // int16 tiles (D = 16 NV) over a bf16 cache (i16_tile.h): the bf16 tiles' walk and softmax, the products as 16-bit
 // integer dot products, each side with its scales.
 template <int NV>
-struct I16Tiles : PairBuffers<NV> {
-    using PairBuffers<NV>::W;
-    using PairBuffers<NV>::D;
-    using PairBuffers<NV>::kt;
-    using PairBuffers<NV>::vt;
-    using PairBuffers<NV>::pw;
-    using PairBuffers<NV>::sc;
-    using PairBuffers<NV>::alpha;
-    using PairBuffers<NV>::top;
-    using PairBuffers<NV>::qrow;
-    using PairBuffers<NV>::prow;
+struct I16Tiles : PairBuffers {
+    static constexpr int W = 8 * NV, D = 16 * NV;     // 32-bit words (dimension pairs) a row; dimensions
     static constexpr bool PREFETCH = false;
     float *qs, *ks, *vs, *ps;      // the scales: of each q row, each key's K and V rows, each row's weights
-    I16Tiles(int nr, int) : PairBuffers<NV>(nr) {
+    I16Tiles(int nr, int) : PairBuffers(nr, W, D) {
         thread_local std::vector<float> qsb, ksb, vsb, psb;
         qs = aligned(qsb, nr);
         ks = aligned(ksb, TILE);
@@ -511,7 +491,7 @@ struct I16Tiles : PairBuffers<NV> {
         ps = aligned(psb, nr);
     }
     void set_q(int x, const float* src, float scale) {
-        prefixserve_i16::pack_q(src, scale, D, this->rows(x), qs + x);
+        prefixserve_i16::pack_q(src, scale, D, rows(x), qs + x);
     }
     void step(const uint16_t* const* krow, const uint16_t* const* vrow, int n, int t0, int x0, int nr, const int* pos,
               float* mx, float* sum, float* const* acc) {
