@@ -157,3 +157,13 @@ def test_the_c_kernels_agree_with_the_torch_ops_in_the_model(tiny_llama_dir: Pat
         assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
         la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         assert max(abs(la[t] - lb[t]) for t in set(la) & set(lb)) < 0.05
+
+
+def test_the_start_log_names_the_prefill_products(cpu: CpuKernels) -> None:
+    """The paged prefill line of the start log says which products a bf16 cache's tiles take: int16 on the
+    avx512_vnni build's int16 tiles, bf16 on the bf16 and AMX tiles."""
+    from kernels.cpu.paged_prefill import BF16_PATHS, I16_PATHS
+    from kernels.ops import _prefill_impl
+    line, path = _prefill_impl(cpu), cpu.prefill.path(torch.bfloat16)
+    assert ("int16 products over bf16 caches" in line) == (path in I16_PATHS)
+    assert ("bf16 products over bf16 caches" in line) == (path in BF16_PATHS)
