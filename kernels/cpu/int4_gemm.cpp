@@ -321,7 +321,7 @@ void micro1(const float* ap, const float* bp, int kc, float* y, int64_t y_stride
 // bytes) with its groups' s and z, then 6 rows x 32 outputs a pass: 12 integer sums a group, 12 float accumulators.
 namespace q16 {
 constexpr int MR = 6, NR = 32;
-constexpr int MB = 24;           // row blocks a pass over the panels: 144 rows           // row blocks a pass over the panels: 144 rows
+constexpr int MB = 24;           // row blocks a pass over the panels: 144 rows
 
 // A block of MR packed rows: [K / 2, MR] int32 words (h[2 p], h[2 p + 1]), then [G, MR] float a, then [G, MR]
 // float sum of x.

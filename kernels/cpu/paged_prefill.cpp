@@ -14,8 +14,9 @@
 //
 // An item's rows are query tokens of one or more sequences, each with the G query heads of one KV head (GQA:
 // the heads that read the same K / V rows). It walks keys [k0, k1) in tiles of TILE keys aligned to absolute
-// positions 0, TILE, 2 TILE, ...: per tile it packs K and V once, computes the scores of every row, one
-// online-softmax update a row (float32 running max, sum and accumulator) and adds the V rows. A row masks the
+// positions 0, TILE, 2 TILE, ...: per tile it packs K and V once (the int16 tiles' packing, the costliest, is done
+// once a call for all the items that walk a tile: I16Packs), computes the scores of every row, one online-softmax
+// update a row (float32 running max, sum and accumulator) and adds the V rows. A row masks the
 // keys past its own position; rows whose position is before the tile skip it.
 //
 // The plan (make_plan). Without cascade an item is consecutive tokens of one sequence (as many as item_tokens
@@ -33,8 +34,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 #include <omp.h>
@@ -476,10 +480,15 @@ struct AmxTiles : Bf16Tiles<NV> {      // the bf16 tiles' buffers, for whole blo
 #endif
 
 #if defined(PREFIXSERVE_I16)
+struct I16Tile { const uint32_t* kt; const float* ks; const uint32_t* vt; const float* vs; };   // a packed tile
+
+class I16Packs;
+
 // int16 tiles (D = 16 NV) over a bf16 cache (i16_tile.h): the bf16 tiles' walk and softmax, the products as 16-bit
 // integer dot products, each side with its scales.
 template <int NV>
 struct I16Tiles : PairBuffers {
+    using Packs = I16Packs;
     static constexpr int W = 8 * NV, D = 16 * NV;     // 32-bit words (dimension pairs) a row; dimensions
     static constexpr bool PREFETCH = false;
     float *qs, *ks, *vs, *ps;      // the scales: of each q row, each key's K and V rows, each row's weights
@@ -495,19 +504,126 @@ struct I16Tiles : PairBuffers {
     }
     void step(const uint16_t* const* krow, const uint16_t* const* vrow, int n, int t0, int x0, int nr, const int* pos,
               float* mx, float* sum, float* const* acc) {
+        prefixserve_i16::pack_k(krow, n, D, kt, ks);
+        prefixserve_i16::pack_v(vrow, n, D, TILE, vt, vs);
+        step_packed({kt, ks, vt, vs}, n, t0, x0, nr, pos, mx, sum, acc);
+    }
+    // rows [x0, nr) over the n keys of a tile packed already (here, or once for every item: I16Packs)
+    void step_packed(const I16Tile& t, int n, int t0, int x0, int nr, const int* pos, float* mx, float* sum,
+                     float* const* acc) {
         using namespace prefixserve_i16;
         const int chunks = (n + 15) / 16, rows = nr - x0;
-        pack_k(krow, n, D, kt, ks);
-        pack_v(vrow, n, D, TILE, vt, vs);
-        scores_chunks(qrow + x0, qs + x0, rows, kt, ks, W, chunks, sc + static_cast<int64_t>(x0) * TILE, TILE);
+        scores_chunks(qrow + x0, qs + x0, rows, t.kt, t.ks, W, chunks, sc + static_cast<int64_t>(x0) * TILE, TILE);
         const float lim = limit(TILE);
         tile_weights(sc, n, t0, x0, nr, pos, mx, sum, alpha, top, [&](int x, const __m512* e) {
-            pack_p<TILE / 16>(e, vs, lim, pw + static_cast<int64_t>(x) * (TILE / 2), ps + x);
+            pack_p<TILE / 16>(e, t.vs, lim, pw + static_cast<int64_t>(x) * (TILE / 2), ps + x);
         });
-        values_rows<NV>(acc + x0, alpha + x0, prow + x0, ps + x0, vt, (n + 1) / 2, rows);
+        values_rows<NV>(acc + x0, alpha + x0, prow + x0, ps + x0, t.vt, (n + 1) / 2, rows);
     }
 };
+
+// The int16 tiles' K and V, packed once a call (pack_k / pack_v: each K / V row rounded to integers, K transposed
+// into dimension pairs, V into token pairs) for every item that walks them, where a tile is walked by two items or
+// more: the items of a prompt chunk's rows all walk its leading tiles (a 3,072-token prompt's 48 items of 64
+// tokens walk the first tile 48 times), and packing a tile cost about what 8 of its rows' products do. A tile is
+// packed with every key its sequence has there (an item that stops inside it masks the rest: a masked key weighs
+// exactly 0), so an item's result is the same bit for bit whoever packed the tile. Keyed by the sequence whose
+// table an item walks (a cascade group's first member for the shared tiles) and the tile's index.
+class I16Packs {
+public:
+    using Tile = I16Tile;
+    static constexpr int64_t MAX_BYTES = int64_t{256} << 20;   // beyond: the items pack their tiles themselves
+    I16Packs(const Args& A, const Plan& p) : W_(A.D / 2), D_(A.D), Hkv_(A.Hkv) {
+        std::vector<std::vector<int>> uses;                    // items walking (sequence, tile)
+        for (const auto& ph : p.phase)
+            for (const Item& it : ph) {
+                const int s = p.segs[it.seg0].s;
+                if (static_cast<int>(uses.size()) <= s) uses.resize(s + 1);
+                const int t1 = (it.k1 + TILE - 1) / TILE;
+                if (static_cast<int>(uses[s].size()) < t1) uses[s].resize(t1, 0);
+                for (int t = it.k0 / TILE; t < t1; ++t) ++uses[s][t];
+            }
+        slot_.resize(uses.size());
+        for (int s = 0; s < static_cast<int>(uses.size()); ++s) {
+            slot_[s].assign(uses[s].size(), -1);
+            for (int t = 0; t < static_cast<int>(uses[s].size()); ++t)
+                if (uses[s][t] >= 2) {
+                    slot_[s][t] = static_cast<int64_t>(work_.size());
+                    work_.push_back({s, t});
+                }
+        }
+        const int64_t bytes = static_cast<int64_t>(work_.size()) * Hkv_ * tile_words() * 4;
+        if (bytes > MAX_BYTES || work_.empty()) {
+            work_.clear();
+            slot_.clear();
+            return;
+        }
+        store_.reset(static_cast<uint32_t*>(std::aligned_alloc(64, static_cast<size_t>(bytes))));
+        if (!store_) {
+            work_.clear();
+            slot_.clear();
+        }
+    }
+    // Packs every tile of the list, its KV heads dealt to the team's threads (call from each thread of it).
+    void pack(const Args& A) {
+        const int n_work = static_cast<int>(work_.size()) * Hkv_;
+        const uint16_t* kc = static_cast<const uint16_t*>(A.kc);
+        const uint16_t* vc = static_cast<const uint16_t*>(A.vc);
+        #pragma omp for schedule(dynamic, 4)
+        for (int i = 0; i < n_work; ++i) {
+            const auto [s, t] = work_[i / Hkv_];
+            const int h = i % Hkv_, t0 = t * TILE, n = std::min(TILE, A.lens[s] - t0);
+            const int32_t* table = A.bt + static_cast<int64_t>(s) * A.bt_stride;
+            const uint16_t* krow[TILE];
+            const uint16_t* vrow[TILE];
+            for (int j = 0; j < n; ++j) {
+                const int64_t blk = table[(t0 + j) / A.B], off = (t0 + j) % A.B;
+                krow[j] = kc + blk * A.kc_blk + off * A.kc_tok + h * A.kc_head;
+                vrow[j] = vc + blk * A.vc_blk + off * A.vc_tok + h * A.vc_head;
+            }
+            uint32_t* w = words(i);
+            float* scales = reinterpret_cast<float*>(w + TILE * W_ + TILE / 2 * D_);
+            prefixserve_i16::pack_k(krow, n, D_, w, scales);
+            prefixserve_i16::pack_v(vrow, n, D_, TILE, w + TILE * W_, scales + TILE);
+        }
+    }
+    int64_t tiles() const { return static_cast<int64_t>(work_.size()); }      // tiles packed a KV head
+    // Sequence s's tile t of KV head h, if packed here (else the item packs it).
+    bool find(int s, int t, int h, I16Tile& out) const {
+        if (s >= static_cast<int>(slot_.size()) || t >= static_cast<int>(slot_[s].size()) || slot_[s][t] < 0)
+            return false;
+        const uint32_t* w = words(static_cast<int>(slot_[s][t]) * Hkv_ + h);
+        const float* scales = reinterpret_cast<const float*>(w + TILE * W_ + TILE / 2 * D_);
+        out = {w, scales, w + TILE * W_, scales + TILE};
+        return true;
+    }
+
+    // The tile's bytes into L2 (the next tile an item walks, while it runs this one).
+    void prefetch(int s, int t, int h) const {
+        if (s >= static_cast<int>(slot_.size()) || t >= static_cast<int>(slot_[s].size()) || slot_[s][t] < 0) return;
+        const char* w = reinterpret_cast<const char*>(words(static_cast<int>(slot_[s][t]) * Hkv_ + h));
+        for (int64_t b = 0; b < tile_words() * 4; b += 64) _mm_prefetch(w + b, _MM_HINT_T1);
+    }
+
+private:
+    struct Free { void operator()(uint32_t* x) const { std::free(x); } };
+    int64_t tile_words() const { return static_cast<int64_t>(TILE) * W_ + TILE / 2 * D_ + 2 * TILE; }   // kt vt ks vs
+    uint32_t* words(int i) const { return store_.get() + static_cast<int64_t>(i) * tile_words(); }
+    int W_, D_, Hkv_;
+    std::vector<std::vector<int64_t>> slot_;      // [sequence][tile]: its index in work_, -1 if not packed here
+    std::vector<std::pair<int, int>> work_;       // (sequence, tile) to pack
+    std::unique_ptr<uint32_t, Free> store_;
+};
 #endif
+
+// The tiles that pack K and V in each item (all but the int16 ones: I16Packs).
+struct NoPacks {
+    NoPacks(const Args&, const Plan&) {}
+    void pack(const Args&) {}
+    int64_t tiles() const { return 0; }
+};
+template <typename T, typename = void> struct packs_of { using type = NoPacks; };
+template <typename T> struct packs_of<T, std::void_t<typename T::Packs>> { using type = typename T::Packs; };
 
 template <typename KV>
 inline void prefetch_row(const KV* p, int D) {
@@ -518,7 +634,9 @@ inline void prefetch_row(const KV* p, int D) {
 // One item, KV head h: its rows' softmax state from scratch (or resumed from `state`), keys [k0, k1) tile by
 // tile through the table of its first sequence, then each row's output (or its state saved).
 template <typename Tiles, typename KV>
-void run_item(const Args& A, const Plan& p, const Item& it, int h, float* state) {
+void run_item(const Args& A, const Plan& p, const Item& it, int h, float* state,
+              const typename packs_of<Tiles>::type& packs) {
+    using Packs = typename packs_of<Tiles>::type;
     const int H = A.H, G = A.H / A.Hkv, D = A.D, PS = D + 2;
     int nr = 0;
     for (int i = 0; i < it.nseg; ++i) nr += (p.segs[it.seg0 + i].b - p.segs[it.seg0 + i].a) * G;
@@ -567,6 +685,14 @@ void run_item(const Args& A, const Plan& p, const Item& it, int h, float* state)
     for (int t0 = it.k0; t0 < it.k1; t0 += TILE) {
         const int n = std::min(TILE, it.k1 - t0);
         while (x0 < nr && pos[x0] < t0) ++x0;
+        if constexpr (!std::is_same_v<Packs, NoPacks>) {
+            typename Packs::Tile packed;
+            if (packs.find(p.segs[it.seg0].s, t0 / TILE, h, packed)) {
+                if (t0 + TILE < it.k1) packs.prefetch(p.segs[it.seg0].s, t0 / TILE + 1, h);
+                tiles.step_packed(packed, n, t0, x0, nr, pos, mx, sum, arow);
+                continue;
+            }
+        }
         for (int j = 0; j < n; ++j) {
             const int64_t blk = table[(t0 + j) / A.B], off = (t0 + j) % A.B;
             krow[j] = kc + blk * A.kc_blk + off * A.kc_tok + h * A.kc_head;
@@ -593,30 +719,34 @@ void run_item(const Args& A, const Plan& p, const Item& it, int h, float* state)
     }
 }
 
+// Returns the tiles packed once for all the items (a KV head's: I16Packs), 0 for the other tiles.
 template <typename Tiles, typename KV>
-void prefill(const Args& A, const Plan& p) {
+int64_t prefill(const Args& A, const Plan& p) {
     std::unique_ptr<float[]> state(p.state_rows > 0 ? new float[p.state_rows * A.H * (A.D + 2)] : nullptr);
     const int n0 = static_cast<int>(p.phase[0].size()) * A.Hkv, n1 = static_cast<int>(p.phase[1].size()) * A.Hkv;
+    typename packs_of<Tiles>::type packs(A, p);
     #pragma omp parallel
     {
+        packs.pack(A);                           // an omp for: every tile packed before any item runs
         #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < n0; ++i) run_item<Tiles, KV>(A, p, p.phase[0][i / A.Hkv], i % A.Hkv, state.get());
+        for (int i = 0; i < n0; ++i) run_item<Tiles, KV>(A, p, p.phase[0][i / A.Hkv], i % A.Hkv, state.get(), packs);
         #pragma omp for schedule(dynamic, 1)     // after every phase-1 item (the implied barrier)
-        for (int i = 0; i < n1; ++i) run_item<Tiles, KV>(A, p, p.phase[1][i / A.Hkv], i % A.Hkv, state.get());
+        for (int i = 0; i < n1; ++i) run_item<Tiles, KV>(A, p, p.phase[1][i / A.Hkv], i % A.Hkv, state.get(), packs);
     }
+    return packs.tiles();
 }
 
 #if defined(PREFIXSERVE_BF16) || defined(PREFIXSERVE_I16)
 // The prefill over a bf16 cache with tiles of dimension pairs (Bf16Tiles, AmxTiles, I16Tiles) for head_dim 16 NV, NV
-// in 2, 4, 6, 8, 16; false for another head_dim.
+// in 2, 4, 6, 8, 16 (*packed: as prefill's); false for another head_dim.
 template <template <int> class Tiles>
-bool prefill_pairs(const Args& A, const Plan& p) {
+bool prefill_pairs(const Args& A, const Plan& p, int64_t* packed) {
     switch (A.D / 16) {
-        case 2: prefill<Tiles<2>, uint16_t>(A, p); return true;
-        case 4: prefill<Tiles<4>, uint16_t>(A, p); return true;
-        case 6: prefill<Tiles<6>, uint16_t>(A, p); return true;
-        case 8: prefill<Tiles<8>, uint16_t>(A, p); return true;
-        case 16: prefill<Tiles<16>, uint16_t>(A, p); return true;
+        case 2: *packed = prefill<Tiles<2>, uint16_t>(A, p); return true;
+        case 4: *packed = prefill<Tiles<4>, uint16_t>(A, p); return true;
+        case 6: *packed = prefill<Tiles<6>, uint16_t>(A, p); return true;
+        case 8: *packed = prefill<Tiles<8>, uint16_t>(A, p); return true;
+        case 16: *packed = prefill<Tiles<16>, uint16_t>(A, p); return true;
         default: return false;
     }
 }
@@ -652,8 +782,9 @@ extern "C" {
 // q [T, H, D] float32 (rows of sequence s: qstart[s] .. qstart[s + 1], the last positions of its lens[s]);
 // caches [blocks, B, Hkv, D] float32 (kv_dtype 0) or bfloat16 (1), strides given, D contiguous; out [T, H, D]
 // float32. Only the rows of the sequences listed in seqs are computed. cascade: 1 to walk shared leading tiles
-// once for all. stats (null, or 3 int64): cascade groups; members x shared keys, summed over the groups; keys
-// walked in all (summed over the items, per KV head). tiles: 0 the build's best loops (the AMX tiles on an AMX
+// once for all. stats (null, or 4 int64): cascade groups; members x shared keys, summed over the groups; keys
+// walked in all (summed over the items, per KV head); tiles packed once for all the items that walk them (per KV
+// head: I16Packs; 0 for the other tiles). tiles: 0 the build's best loops (the AMX tiles on an AMX
 // build, where the shape allows), 1 the vector tiles, 2 the AMX tiles where they take the cache (bf16, head_dim a
 // multiple of 32; emulated on a build with AVX-512 BF16 and no AMX: for the tests), else as 0. Returns 0, or -1 for
 // shapes it does not take.
@@ -668,6 +799,7 @@ int prefixserve_paged_prefill(const float* q, const void* kc, const void* vc, co
     const Args A{q, kc, vc, bt, bt_stride, lens, qstart, out, H, Hkv, D, B, scale, kc_blk, kc_tok, kc_head,
                  vc_blk, vc_tok, vc_head};
     const Plan p = make_plan(A, seqs, std::max(0, n_seqs), cascade != 0, omp_get_max_threads());
+    int64_t packed = 0;
     if (stats != nullptr) {
         int64_t keys = 0;
         for (const auto& ph : p.phase)
@@ -676,17 +808,20 @@ int prefixserve_paged_prefill(const float* q, const void* kc, const void* vc, co
         stats[1] = p.grouped_keys;
         stats[2] = keys;
     }
-    if (kv_dtype == 0) { prefill<F32Tiles<float>, float>(A, p); return 0; }
+    [&] {
+        if (kv_dtype == 0) { prefill<F32Tiles<float>, float>(A, p); return; }
 #if defined(PREFIXSERVE_BF16)
-    if ((tiles == 2 && amx_takes(kv_dtype, D)) || (tiles == 0 && amx_default(kv_dtype, D))) {
-        if (prefill_pairs<AmxTiles>(A, p)) return 0;
-    }
-    if (prefill_pairs<Bf16Tiles>(A, p)) return 0;
+        if ((tiles == 2 && amx_takes(kv_dtype, D)) || (tiles == 0 && amx_default(kv_dtype, D))) {
+            if (prefill_pairs<AmxTiles>(A, p, &packed)) return;
+        }
+        if (prefill_pairs<Bf16Tiles>(A, p, &packed)) return;
 #endif
 #if defined(PREFIXSERVE_I16)
-    if (kv_dtype == 1 && prefill_pairs<I16Tiles>(A, p)) return 0;
+        if (kv_dtype == 1 && prefill_pairs<I16Tiles>(A, p, &packed)) return;
 #endif
-    prefill<F32Tiles<uint16_t>, uint16_t>(A, p);
+        prefill<F32Tiles<uint16_t>, uint16_t>(A, p);
+    }();
+    if (stats != nullptr) stats[3] = packed;
     return 0;
 }
 

@@ -58,6 +58,7 @@ class PrefillStats:
     groups: int              # cascade groups: sequences sharing leading tiles
     grouped_keys: int        # members x shared keys, summed over the groups: what their phase 1 covers
     keys: int                # keys walked in all, summed over the work items: K / V rows read per KV head
+    packed_tiles: int = 0    # tiles packed once before the items, for all that walk them (int16 tiles; per KV head)
 
 
 class PagedPrefill:
@@ -82,8 +83,8 @@ class PagedPrefill:
         return PagedPrefill(self._lib, tiles)
 
     def path(self, dtype: torch.dtype = torch.bfloat16, head_dim: int = 64) -> str:
-        """The loops a cache of this dtype runs with these tiles: amx or avx512_bf16 (bf16 products), avx512, avx2
-        or generic (float32)."""
+        """The loops a cache of this dtype runs with these tiles: amx or avx512_bf16 (bf16 products), avx512_vnni
+        (int16 products), avx512, avx2 or generic (float32)."""
         return self._path(_DTYPES[dtype], head_dim, self.tiles).decode()
 
     def prefill(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -119,7 +120,7 @@ class PagedPrefill:
         assert block_tables.dtype == torch.int32 and lens.shape[0] == block_tables.shape[0] == starts.shape[0] - 1
         assert all(0 <= s < lens.shape[0] for s in seqs)
         which = torch.tensor(seqs, dtype=torch.int32)
-        stats = torch.zeros(3, dtype=torch.int64)
+        stats = torch.zeros(4, dtype=torch.int64)
         rc = self._fn(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
                       block_tables.stride(0), lens.data_ptr(), starts.data_ptr(), which.data_ptr(), len(seqs),
                       out.data_ptr(), num_heads, num_kv_heads, head_dim, key_cache.shape[1], scale,
@@ -128,8 +129,8 @@ class PagedPrefill:
                       stats.data_ptr(), self.tiles)
         if rc != 0:
             return None
-        groups, shared, keys = stats.tolist()
-        return PrefillStats(groups, shared, keys)
+        groups, shared, keys, packed = stats.tolist()
+        return PrefillStats(groups, shared, keys, packed)
 
 
 __all__ = ["AMX", "BEST", "BF16_PATHS", "I16_PATHS", "VECTOR", "PagedPrefill", "PrefillStats", "supports"]

@@ -237,6 +237,26 @@ def test_a_short_chunk_after_a_long_context_is_cut_for_the_threads(variant: CpuK
     within_criterion(variant, b, two)
 
 
+def test_the_int16_tiles_pack_a_tile_once_for_all_the_items_that_walk_it(variant: CpuKernels) -> None:
+    # A 300-token prompt computed whole: 5 items of 60 tokens a KV head on two threads, item i walking tiles 0..i,
+    # so tiles 0-3 are walked by two items or more and packed once before the items run (the int16 tiles), tile 4
+    # by the last item alone, which packs it. A 78-token question after 3,072 cached tokens: 2 items a head, both
+    # over tiles 0-48 (3,111 keys), the second alone over tile 49. One token: a single item, nothing packed
+    # ahead. Other tiles pack in each item. The bits do not depend on who packed a tile (chunk invariance, above).
+    def packed(total: int, new: int) -> int:
+        b = make_batch([total], [new], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                       dtype=torch.bfloat16, seed=11, device="cpu")
+        return stats(variant, b).packed_tiles
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        counts = [packed(300, 300), packed(3150, 78), packed(300, 1)]
+    finally:
+        torch.set_num_threads(before)
+    assert counts == ([4, 49, 0] if variant.prefill.path(torch.bfloat16) in pp.I16_PATHS else [0, 0, 0])
+
+
 def test_cpu_prefill_declines_what_it_does_not_take(variant: CpuKernels) -> None:
     b = make_batch([20], [20], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16,
                    seed=1, device="cpu")
