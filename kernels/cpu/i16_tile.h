@@ -159,23 +159,31 @@ inline void scores_chunks(const uint32_t* const* q, const float* qs, int rows, c
     }
 }
 
-// A row's weights e[TILE / 16] (16 keys a vector, zero past its keys) times the keys' V scales vs, rounded to
-// integers with one scale (*ps) into dst[TILE / 2] words (token pairs).
-template <int CH>
-inline void pack_p(const __m512* e, const float* vs, float lim, uint32_t* dst, float* ps) {
-    __m512 w[CH];
-    __m512 mx = _mm512_setzero_ps();
-    for (int c = 0; c < CH; ++c) {
-        w[c] = _mm512_mul_ps(e[c], _mm512_load_ps(vs + 16 * c));
-        mx = _mm512_max_ps(mx, w[c]);
+// The largest of a tile's first j + 1 V scales, vtop[j], and lim over it, vinv[j] (0 where they are all 0), for
+// j < n.
+inline void top_scales(const float* vs, int n, float lim, float* vtop, float* vinv) {
+    float m = 0.f;
+    for (int j = 0; j < n; ++j) vtop[j] = m = std::max(m, vs[j]);
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 ok = static_cast<__mmask16>(n - j >= 16 ? 0xffff : (1u << (n - j)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(ok, vtop + j);
+        _mm512_mask_storeu_ps(vinv + j, ok, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                                 _mm512_set1_ps(lim), v));
     }
-    const float m = _mm512_reduce_max_ps(mx);
-    const __m512 inv = _mm512_set1_ps(m > 0.f ? lim / m : 0.f);
+}
+
+// A row's weights e[CH] (16 keys a vector, zero past its keys) times the keys' V scales vs, rounded to integers
+// e vs inv into dst[CH * 8] words (token pairs). inv = lim / (the row's largest weight x the largest V scale of its
+// keys), a bound of every e vs known before the weights (tile_weights' wtop, top_scales): each integer is at most
+// lim, or lim + 1 where the exponential's polynomial puts a weight a rounding above the largest score's, and
+// n (lim + 1) lim < 2^31 still (64 keys: 2,147,395,584). Against rounding with the row's own largest e vs, the
+// integers lose the ratio of that V scale to the one of the key with the row's largest weight (a bit or two).
+template <int CH>
+inline void pack_p(const __m512* e, const float* vs, __m512 inv, uint32_t* dst) {
     int16_t* out = reinterpret_cast<int16_t*>(dst);
     for (int c = 0; c < CH; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * c),
-                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w[c], inv))));
-    *ps = m / lim;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * c), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
+            _mm512_mul_ps(_mm512_mul_ps(e[c], _mm512_load_ps(vs + 16 * c)), inv))));
 }
 
 // acc_t = alpha_t acc_t + ps_t sum over token pairs i of p_t[i] . vt[i], T rows, the integer sums in registers.
