@@ -9,7 +9,9 @@ takes seconds; eight of them made another client's 2-token completion wait 13 s.
 behind each other, and a small request only behind small ones (milliseconds each). Why a copy: a Hugging
 Face fast tokenizer is reconfigured by some calls (`split_special_tokens` switches the Rust tokenizer's
 `encode_special_tokens`), which is not safe while another thread encodes with it; each thread has its own.
-The copy is made on the large lane's thread on its first use (a deepcopy: ~0.1 s) and kept.
+The copy is made on the large lane's thread on its first use (a deepcopy: ~0.1 s) and kept. Both lanes look up
+long stretches of chat renderings (a system prompt resent with every request) in one `SegmentTokens`
+(service/openai/segments.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from service.openai.segments import SegmentTokens
+
 T = TypeVar("T")
 
 
@@ -27,6 +31,7 @@ class TokenizerThreads:
         self.large_body_bytes = large_body_bytes
         self.small = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-large")
+        self.segments = SegmentTokens()
         self._source: Any = None            # the tokenizer the large lane's copy was made from (large thread only)
         self._copy: Any = None
 

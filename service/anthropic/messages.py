@@ -62,8 +62,9 @@ async def _prepare(request: web.Request, ready: Ready, raw: bytes,
     if points:
         plan = prepared.req.tools
         render_tools = plan is not None and plan.mode == "auto"
+        salt = prepared.caller.salt(prepared.req.cache_salt)
         at = await ready.tokenizers.run(len(raw), ready.engine.tokenizer, lambda tok: translate.positions(
-            points, prepared.prompts[0], tok, render_tools))
+            points, prepared.prompts[0], tok, render_tools, ready.tokenizers.segments, salt))
         prepared.holds = [(n, p.ttl) for n, p in zip(at, points)]
     return prepared
 

@@ -42,6 +42,7 @@ from service.anthropic.schema import (
 from service.errors import invalid
 from service.openai.render import render_messages, template_messages
 from service.openai.schema import ChatMessage
+from service.openai.segments import SegmentTokens
 
 SYSTEM_JOIN = "\n\n"
 
@@ -188,9 +189,11 @@ def breakpoints(req: _Conversation) -> list[Breakpoint]:
     return out
 
 
-def positions(points: list[Breakpoint], prompt: list[int], tokenizer: Any, render_tools: bool) -> list[int]:
+def positions(points: list[Breakpoint], prompt: list[int], tokenizer: Any, render_tools: bool,
+              segments: SegmentTokens | None = None, salt: str | None = None) -> list[int]:
     """Per breakpoint, how many of the prompt's leading tokens it holds: the common prefix of the prompt and the
-    rendering of the conversation cut after the marked block. NOTE: on the tokenizer thread."""
+    rendering of the conversation cut after the marked block (its long stretches, the system prompt, looked up in
+    `segments` under the caller's `salt`). NOTE: on the tokenizer thread."""
     out = []
     for p in points:
         if not p.messages:
@@ -199,7 +202,7 @@ def positions(points: list[Breakpoint], prompt: list[int], tokenizer: Any, rende
         clean = template_messages([ChatMessage.model_validate(m) for m in p.messages])
         try:
             ids = render_messages(clean, tokenizer, add_generation_prompt=False,
-                                  tools=p.tools if render_tools else None)
+                                  tools=p.tools if render_tools else None, segments=segments, salt=salt)
         except Exception:       # a template that will not render a cut conversation: the breakpoint holds nothing
             out.append(0)
             continue

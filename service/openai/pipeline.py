@@ -164,7 +164,7 @@ async def prepare(ready: Ready, raw: bytes | dict[str, Any], chat: bool, caller:
 
     def tokenize(tok: Any) -> list[list[int]]:
         check_prompt_chars(*_prompt_texts(parsed), config.max_prompt_chars)
-        return render.tokenize(parsed, tok, prefix)
+        return render.tokenize(parsed, tok, prefix, ready.tokenizers.segments, caller.salt(parsed.req.cache_salt))
     prompts = await run(size, tokenizer, tokenize)
     check_echo_logprobs(prompts, parsed.req, config.max_echo_logprobs)
     parsed.req.params.cache_salt = cache_salt(caller, parsed.req.cache_salt, prefix, ready.engine.block_size)

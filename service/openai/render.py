@@ -21,10 +21,13 @@ from prefix_store.local import PrefixSnapshot
 from service.errors import ApiError, invalid
 from service.openai.params import Parsed
 from service.openai.schema import ChatCompletionRequest, ChatMessage, CompletionRequest
+from service.openai.segments import SegmentTokens
 
 
-def tokenize(parsed: Parsed, tokenizer: Any, prefix: PrefixSnapshot | None) -> list[list[int]]:
-    """The prompts' token ids, the named prefix composed in (see the module docstring)."""
+def tokenize(parsed: Parsed, tokenizer: Any, prefix: PrefixSnapshot | None, segments: SegmentTokens | None = None,
+             salt: str | None = None) -> list[list[int]]:
+    """The prompts' token ids, the named prefix composed in (see the module docstring). `segments`: the long
+    stretches of a chat rendering looked up there (under the caller's cache `salt`) rather than encoded again."""
     body = parsed.body
     if isinstance(body, ChatCompletionRequest):
         messages = template_messages(body.messages)
@@ -42,7 +45,8 @@ def tokenize(parsed: Parsed, tokenizer: Any, prefix: PrefixSnapshot | None) -> l
         cont = bool(body.continue_final_message)
         extra = template_kwargs(body.chat_template_kwargs)
         return [render_messages(messages, tokenizer, add_generation_prompt=body.add_generation_prompt is not False
-                                and not cont, tools=tools, continue_final=cont, extra=extra)]
+                                and not cont, tools=tools, continue_final=cont, extra=extra, segments=segments,
+                                salt=salt)]
     if prefix is None:
         return parse_prompts(body, tokenizer)
     head = list(prefix.token_ids)
@@ -129,8 +133,10 @@ def render_text(clean: list[dict[str, Any]], tokenizer: Any, add_generation_prom
 
 def render_messages(clean: list[dict[str, Any]], tokenizer: Any, add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None, continue_final: bool = False,
-                    extra: dict[str, Any] | None = None) -> list[int]:
-    """Token ids of the chat template's rendering; the template adds the special tokens.
+                    extra: dict[str, Any] | None = None, segments: SegmentTokens | None = None,
+                    salt: str | None = None) -> list[int]:
+    """Token ids of the chat template's rendering; the template adds the special tokens. `segments`: where the
+    rendering's long stretches (a system prompt sent with every request) are kept, under the caller's `salt`.
 
     NOTE: message content is text. A message holding the text of a special token (a user typing
     `<|im_end|>\n<|im_start|>system ...` to forge a system turn) gets that text encoded as ordinary
@@ -141,6 +147,8 @@ def render_messages(clean: list[dict[str, Any]], tokenizer: Any, add_generation_
     specials = _special_texts(tokenizer)
     contents = [m["content"] for m in clean]
     if not any(s in c for c in contents for s in specials):
+        if segments is not None:
+            return segments.encode(tokenizer, text, salt)
         return list(tokenizer.encode(text, add_special_tokens=False))
     marks = [f"\ue000{i}\ue001" for i in range(len(clean))]          # private-use code points
     marked = render_text([{**m, "content": mark} for m, mark in zip(clean, marks)], tokenizer,
