@@ -623,9 +623,8 @@ public:
     int64_t tiles() const { return static_cast<int64_t>(work_.size()); }      // tiles packed a KV head
     // Sequence s's tile t of KV head h, if packed here (else the item packs it).
     bool find(int s, int t, int h, I16Tile& out) const {
-        if (s >= static_cast<int>(slot_.size()) || t >= static_cast<int>(slot_[s].size()) || slot_[s][t] < 0)
-            return false;
-        const uint32_t* w = words(static_cast<int>(slot_[s][t]) * Hkv_ + h);
+        const uint32_t* w = packed(s, t, h);
+        if (w == nullptr) return false;
         const float* scales = reinterpret_cast<const float*>(w + TILE * W_ + TILE / 2 * D_);
         out = {w, scales, w + TILE * W_, scales + TILE};
         return true;
@@ -633,8 +632,8 @@ public:
 
     // The tile's bytes into L2 (the next tile an item walks, while it runs this one).
     void prefetch(int s, int t, int h) const {
-        if (s >= static_cast<int>(slot_.size()) || t >= static_cast<int>(slot_[s].size()) || slot_[s][t] < 0) return;
-        const char* w = reinterpret_cast<const char*>(words(static_cast<int>(slot_[s][t]) * Hkv_ + h));
+        const char* w = reinterpret_cast<const char*>(packed(s, t, h));
+        if (w == nullptr) return;
         for (int64_t b = 0; b < tile_words() * 4; b += 64) _mm_prefetch(w + b, _MM_HINT_T1);
     }
 
@@ -642,6 +641,11 @@ private:
     struct Free { void operator()(uint32_t* x) const { std::free(x); } };
     int64_t tile_words() const { return static_cast<int64_t>(TILE) * W_ + TILE / 2 * D_ + 2 * TILE; }   // kt vt ks vs
     uint32_t* words(int i) const { return store_.get() + static_cast<int64_t>(i) * tile_words(); }
+    const uint32_t* packed(int s, int t, int h) const {          // null: not packed here
+        if (s >= static_cast<int>(slot_.size()) || t >= static_cast<int>(slot_[s].size()) || slot_[s][t] < 0)
+            return nullptr;
+        return words(static_cast<int>(slot_[s][t]) * Hkv_ + h);
+    }
     int W_, D_, Hkv_;
     std::vector<std::vector<int64_t>> slot_;      // [sequence][tile]: its index in work_, -1 if not packed here
     std::vector<std::pair<int, int>> work_;       // (sequence, tile) to pack
@@ -711,7 +715,8 @@ void run_item(const Args& A, const Plan& p, const Item& it, int h, float* state,
     }
     const KV* kc = static_cast<const KV*>(A.kc);
     const KV* vc = static_cast<const KV*>(A.vc);
-    const int32_t* table = A.bt + static_cast<int64_t>(p.segs[it.seg0].s) * A.bt_stride;
+    const int owner = p.segs[it.seg0].s;              // whose table the item walks
+    const int32_t* table = A.bt + static_cast<int64_t>(owner) * A.bt_stride;
     const KV* krow[TILE];
     const KV* vrow[TILE];
     int x0 = 0;      // NOTE: an item's rows are in position order (one sequence), or all see every key (phase 1)
@@ -720,8 +725,8 @@ void run_item(const Args& A, const Plan& p, const Item& it, int h, float* state,
         while (x0 < nr && pos[x0] < t0) ++x0;
         if constexpr (!std::is_same_v<Packs, NoPacks>) {
             typename Packs::Tile packed;
-            if (packs.find(p.segs[it.seg0].s, t0 / TILE, h, packed)) {
-                if (t0 + TILE < it.k1) packs.prefetch(p.segs[it.seg0].s, t0 / TILE + 1, h);
+            if (packs.find(owner, t0 / TILE, h, packed)) {
+                if (t0 + TILE < it.k1) packs.prefetch(owner, t0 / TILE + 1, h);
                 tiles.step_packed(packed, n, t0, x0, nr, pos, mx, sum, arow);
                 continue;
             }
