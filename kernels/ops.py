@@ -267,12 +267,17 @@ class Ops:
         return self._q16
 
     def layer_halves(self, prefill: bool, rows: int, act: torch.dtype) -> LayerHalves | None:
-        """The C++ halves of a decoder layer (kernels/cpu/layers.py) for a step, where its projections take gemm_bf16
-        (`bf16_gemm_step`, bfloat16 between the matmuls) and the fused kernels run; None: op by op. Whether the
-        model's layers fit is the model's to ask (`LayerHalves.bind`)."""
-        if self._fused is None or self.cpu is None or act != torch.bfloat16:
+        """The C++ halves of a decoder layer (kernels/cpu/layers.py) for a step, where its projections take one GEMM
+        the halves call and the fused kernels run: gemm_bf16 (`bf16_gemm_step`, bfloat16 between the matmuls), or
+        gemm_q16 / gemm_wide (`own_wide_step`, float32 between them: the GEMM `linear` picks); None: op by op.
+        Whether the model's layers fit is the model's to ask (`LayerHalves.bind`)."""
+        if self._fused is None or self.cpu is None:
             return None
-        return self.cpu.layers if self.bf16_gemm_step(prefill, rows) else None
+        if act == torch.bfloat16:
+            return self.cpu.layers if self.bf16_gemm_step(prefill, rows) else None
+        if act == torch.float32 and self._int4 is not None and self.own_wide_step(prefill, rows):
+            return self.cpu.layers_f32.get("q16" if self._q16 else "wide")
+        return None
 
     def step_act(self, rows: int, prefill: bool) -> torch.dtype:
         """The activations between a mixed step's matmuls: float32 where its quantized layers take the dense GEMM

@@ -244,13 +244,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.ops: Ops = default_ops()               # the op layer (the loader sets the engine's)
         self.mixed = False                          # quantized: bfloat16 between the matmuls (the loader sets it)
-        # the layers as the C++ halves take them (bound at the first wide step)
-        self._halves_layers: BoundModel | bool | None = None      # False: they do not fit
+        # the layers as each kind of C++ halves takes them (bound at its first wide step; False: they do not fit)
+        self._halves_layers: dict[str, BoundModel | bool] = {}
 
     def set_ops(self, ops: Ops) -> None:
         """The op layer this model (and its quantized modules, which hold one for their own forward) runs on."""
         self.ops = ops
-        self._halves_layers = None                  # bound again, by these ops' kernels, at the next wide step
+        self._halves_layers = {}                    # bound again, by these ops' kernels, at the next wide step
         for module in self.modules():
             holder: Any = module
             if holder is not self and hasattr(holder, "ops"):
@@ -275,11 +275,11 @@ class LlamaForCausalLM(nn.Module):
         r: torch.Tensor | None = None
         between = self.ops.between_layers
         halves = self.ops.layer_halves(step.prefill, input_ids.shape[0], step.act) if step.mixed else None
-        if halves is not None and self._halves_layers is None:
-            self._halves_layers = halves.bind(self) or False
-        if halves is not None and isinstance(self._halves_layers, BoundModel) and x.dtype == torch.float32:
-            return self._forward_halves(halves, self._halves_layers, x, cos, sin, key_caches, value_caches, md,
-                                        backend, between)
+        if halves is not None and halves.gemm not in self._halves_layers:
+            self._halves_layers[halves.gemm] = halves.bind(self) or False
+        bound = self._halves_layers.get(halves.gemm) if halves is not None else None
+        if halves is not None and isinstance(bound, BoundModel) and x.dtype == torch.float32:
+            return self._forward_halves(halves, bound, x, cos, sin, key_caches, value_caches, md, backend, between)
         for i, layer in enumerate(self.layers):
             r, x = layer(x, r, cos, sin, partial(backend_attend, backend, md, key_caches[i], value_caches[i],
                                                  self.scale), step)

@@ -102,8 +102,9 @@ class CpuKernels:
     fused: Fused
     logits: Logits
     int4: Int4Gemm
-    layers: LayerHalves
+    layers: LayerHalves                                       # the halves of gemm_bf16's steps (bfloat16 between)
     paths: dict[str, str] = field(default_factory=dict)      # kernel -> the loops it runs (avx2, avx512, ...)
+    layers_f32: dict[str, LayerHalves] = field(default_factory=dict)   # those of gemm_q16's / gemm_wide's (float32)
 
 
 @functools.cache
@@ -123,9 +124,11 @@ def load(requested: str = "auto", directory: Path = LIB_DIR) -> CpuKernels:
     fused, logits, int4 = Fused(libs["fused"]), Logits(libs["logits"]), Int4Gemm(libs["int4_gemm"])
     paths = {"paged_decode": decode.path, "paged_prefill": prefill.path(), "fused": fused.path, "logits": logits.path,
              "int4_gemm": int4.path}
-    layers = LayerHalves(libs["layers"], libs["int4_gemm"], libs["fused"], libs["paged_decode"])
+    halves = {gemm: LayerHalves(libs["layers"], libs["int4_gemm"], libs["fused"], libs["paged_decode"], gemm)
+              for gemm in LayerHalves.GEMMS}
+    layers, layers_f32 = halves.pop("bf16"), halves
     return settle_amx_tiles(CpuKernels(variant, m.get("compiler_version") or m.get("compiler", ""), decode, prefill,
-                                       fused, logits, int4, layers, paths))
+                                       fused, logits, int4, layers, paths, layers_f32))
 
 
 def settle_amx_tiles(k: CpuKernels,

@@ -1,7 +1,8 @@
 """The C++ halves of a decoder layer and the one-call decode step (kernels/cpu/layers.py) on the real model: the same
 kernels in the same order as the op-by-op path, so the same tokens and the same log-probabilities, bit for bit,
-through prompt chunks and mixed steps (the halves) and decode steps of any width (one call); float32 activations and
-the layers that do not fit keep the op-by-op path."""
+through prompt chunks and mixed steps (the halves) and decode steps of any width (one call), with bfloat16 between
+the matmuls (gemm_bf16) or float32 (gemm_q16 / gemm_wide); the steps of another GEMM and the layers that do not fit
+keep the op-by-op path."""
 from __future__ import annotations
 
 import random
@@ -14,7 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from kernels.cpu.layers import LayerHalves
 from kernels.ops import Ops, default_ops
-from kernels.quant_gemm import AMX_DENSE_FROM_ROWS, BF16_GEMM_FROM_ROWS, INT8_HEAD_FROM_ROWS
+from kernels.quant_gemm import AMX_DENSE_FROM_ROWS, BF16_GEMM_FROM_ROWS, INT8_HEAD_FROM_ROWS, Q16_FROM_ROWS
 from tests.helpers.kernels import pretend_amx
 
 
@@ -74,6 +75,58 @@ def test_every_decode_step_takes_the_halves_and_float32_activations_keep_the_op_
     assert ops.layer_halves(True, 64, torch.float32) is None
 
 
+def f32_halves_or_skip() -> LayerHalves:
+    ops = default_ops()
+    halves = ops.layer_halves(True, 64, torch.float32)
+    if halves is None or not ops.wide_int4_q16:
+        pytest.skip("no float32 C++ halves of gemm_q16 on this CPU (AVX-512 VNNI without BF16)")
+    return halves
+
+
+def test_the_float32_halves_of_gemm_q16_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(
+        real_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where gemm_q16 takes the prompt chunks and the decode steps from Q16_FROM_ROWS rows (float32 between the
+    matmuls), those steps run as C++ halves or one call, and the narrower decode steps (torch's int4 kernel,
+    bfloat16) op by op: the same bits as the op-by-op path throughout."""
+    halves = f32_halves_or_skip()
+    assert halves.gemm == "q16" and halves.act == torch.float32
+    rng = random.Random(7)
+    # 14 prompts of 30-260 tokens, 12 tokens out: chunks of a 512-token budget, mixed steps, decode steps of 14
+    # rows down to 1 as the prompts finish
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 260))] for _ in range(14)]
+    calls = record_halves(monkeypatch)
+    llm = LLM(str(real_model_path), max_model_len=1024, num_kv_blocks=512, enable_prefix_caching=False,
+              max_num_batched_tokens=512)
+    fast = answers(llm, prompts)
+    assert {kind for kind, _ in calls} == {"halves", "decode"}
+    decode_rows = {rows for kind, rows in calls if kind == "decode"}
+    assert min(decode_rows) >= Q16_FROM_ROWS and max(decode_rows) >= 12, decode_rows
+    monkeypatch.setattr(Ops, "layer_halves", lambda self, *a: None)
+    calls.clear()
+    slow = answers(llm, prompts)
+    assert not calls
+    assert fast == slow
+
+
+def test_the_float32_halves_take_the_steps_of_gemm_q16_only(real_model_path: Path) -> None:
+    """A decode step below Q16_FROM_ROWS rows (torch's int4 kernel, bfloat16) or a step whose activations are
+    bfloat16 keeps the op-by-op path; a model with a projection that has no packed 4-bit weights does not fit."""
+    from engine.models.loader import load_model
+    from engine.models.quant import Int4Linear
+    f32_halves_or_skip()
+    ops = default_ops()
+    assert ops.layer_halves(False, Q16_FROM_ROWS, torch.float32) is not None
+    assert ops.layer_halves(False, Q16_FROM_ROWS - 1, torch.float32) is None
+    assert ops.layer_halves(True, 64, torch.bfloat16) is None
+    halves = ops.layer_halves(True, 64, torch.float32)
+    assert halves is not None
+    model = load_model(str(real_model_path)).model
+    assert halves.bind(model) is not None
+    model.layers[5].self_attn.o_proj = Int4Linear.from_float(torch.randn(576, 576) * 0.01, None, ops)
+    assert not model.layers[5].self_attn.o_proj.dense_is_int4
+    assert halves.bind(model) is None
+
+
 def test_a_model_whose_layers_do_not_all_take_gemm_bf16_does_not_fit(real_model_path: Path) -> None:
     """A projection quantized here from a float weight keeps that weight for its wide steps (no packed 4-bit
     weights): such a model keeps the op-by-op path."""
@@ -83,11 +136,12 @@ def test_a_model_whose_layers_do_not_all_take_gemm_bf16_does_not_fit(real_model_
     if ops.layer_halves(True, 64, torch.bfloat16) is None:
         pytest.skip("no C++ halves on this CPU")
     model = load_model(str(real_model_path)).model
-    assert LayerHalves.bind(model) is not None
+    halves = ops.layer_halves(True, 64, torch.bfloat16)
+    assert halves is not None and halves.bind(model) is not None
     o = model.layers[5].self_attn.o_proj
     assert o.w4.numel()
     model.layers[5].self_attn.o_proj = Int4Linear.from_float(torch.randn(576, 576) * 0.01, None, ops)
-    assert LayerHalves.bind(model) is None
+    assert halves.bind(model) is None
 
 
 def test_on_a_cpu_with_amx_only_narrow_decode_steps_take_the_halves(real_model_path: Path,
