@@ -82,12 +82,16 @@ AMX_DENSE_FROM_ROWS = 10
 # GEMM 40.76 / 42.31 / 43.07 / 47.37 (Ops.own_wide_from).
 WIDE512_FROM_ROWS = 12
 # Where gemm_q16 runs (int4 weights x int16 activations, kernels/cpu/int4_gemm.py: an AVX-512 CPU with VNNI and no
-# BF16), a GGUF int4 layer's decode steps take it from this many rows, torch's int4 kernel below. Over SmolLM2's 120
-# projections with the weights cold (`prefixserve bench gemm --rows 2,4,6,8 --reps 9`, an AVX-512 Xeon without BF16,
-# Cascade Lake, 2 threads): torch's int4 kernel 13.39 / 17.96 / 29.51 / 26.18 ms at 2 / 4 / 6 / 8 rows, gemm_q16
-# 23.18 / 24.10 / 23.07 / 25.33 (and at 12 / 64 / 512 rows 25.92 / 70.06 / 417.61 ms against gemm_wide's 40.59 /
-# 99.03 / 728.68 and oneDNN's float32 GEMM's 47.60 / 108.47 / 564.08).
-Q16_FROM_ROWS = 8
+# BF16), a GGUF int4 layer's decode steps take it from this many rows: every decode step. Over SmolLM2's 120
+# projections alone, weights cold (`prefixserve bench gemm --rows 2,4,6,8 --reps 9`, an AVX-512 Xeon without BF16,
+# Cascade Lake, 2 threads), torch's int4 kernel is the faster below 8 rows: 13.39 / 17.96 / 29.51 / 26.18 ms at 2 /
+# 4 / 6 / 8 rows, gemm_q16 23.18 / 24.10 / 23.07 / 25.33 (and at 12 / 64 / 512 rows 25.92 / 70.06 / 417.61 ms
+# against gemm_wide's 40.59 / 99.03 / 728.68 and oneDNN's float32 GEMM's 47.60 / 108.47 / 564.08). But a step whose
+# layers take gemm_q16 runs them as the float32 C++ halves, a decode step in one call (kernels/cpu/layers.py), where
+# torch's kernel goes op by op from Python: whole decode steps after 576-token prompts, in process, the two
+# thresholds alternating (medians of five), 24.6 / 28.2 / 33.5 / 38.6 ms at 1 / 2 / 4 / 6 rows from 1 row against
+# 28.2 / 32.8 / 46.5 / 63.0 from 8 (the halves then took the steps from 8 rows only).
+Q16_FROM_ROWS = 1
 INT8_HEAD_FROM_ROWS = 4
 
 

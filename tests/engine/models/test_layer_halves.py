@@ -85,9 +85,8 @@ def f32_halves_or_skip() -> LayerHalves:
 
 def test_the_float32_halves_of_gemm_q16_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(
         real_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where gemm_q16 takes the prompt chunks and the decode steps from Q16_FROM_ROWS rows (float32 between the
-    matmuls), those steps run as C++ halves or one call, and the narrower decode steps (torch's int4 kernel,
-    bfloat16) op by op: the same bits as the op-by-op path throughout."""
+    """Where gemm_q16 takes the prompt chunks and the decode steps from Q16_FROM_ROWS rows (every decode step; float32
+    between the matmuls), those steps run as C++ halves or one call: the same bits as the op-by-op path."""
     halves = f32_halves_or_skip()
     assert halves.gemm == "q16" and halves.act == torch.float32
     rng = random.Random(7)
@@ -100,7 +99,7 @@ def test_the_float32_halves_of_gemm_q16_give_the_op_by_op_paths_tokens_and_logpr
     fast = answers(llm, prompts)
     assert {kind for kind, _ in calls} == {"halves", "decode"}
     decode_rows = {rows for kind, rows in calls if kind == "decode"}
-    assert min(decode_rows) >= Q16_FROM_ROWS and max(decode_rows) >= 12, decode_rows
+    assert min(decode_rows) == Q16_FROM_ROWS == 1 and max(decode_rows) >= 12, decode_rows
     monkeypatch.setattr(Ops, "layer_halves", lambda self, *a: None)
     calls.clear()
     slow = answers(llm, prompts)
@@ -109,14 +108,13 @@ def test_the_float32_halves_of_gemm_q16_give_the_op_by_op_paths_tokens_and_logpr
 
 
 def test_the_float32_halves_take_the_steps_of_gemm_q16_only(real_model_path: Path) -> None:
-    """A decode step below Q16_FROM_ROWS rows (torch's int4 kernel, bfloat16) or a step whose activations are
-    bfloat16 keeps the op-by-op path; a model with a projection that has no packed 4-bit weights does not fit."""
+    """Every decode step takes them (Q16_FROM_ROWS: 1), a step whose activations are bfloat16 (no gemm_q16) keeps
+    the op-by-op path; a model with a projection that has no packed 4-bit weights does not fit."""
     from engine.models.loader import load_model
     from engine.models.quant import Int4Linear
     f32_halves_or_skip()
     ops = default_ops()
-    assert ops.layer_halves(False, Q16_FROM_ROWS, torch.float32) is not None
-    assert ops.layer_halves(False, Q16_FROM_ROWS - 1, torch.float32) is None
+    assert ops.layer_halves(False, 1, torch.float32) is not None
     assert ops.layer_halves(True, 64, torch.bfloat16) is None
     halves = ops.layer_halves(True, 64, torch.float32)
     assert halves is not None

@@ -2,6 +2,7 @@
 bounded, the exact top logits, and the engine's greedy output on a tiny checkpoint."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -199,19 +200,22 @@ def test_wide_decode_steps_of_gguf_q4_layers_decode_the_4_bit_weights() -> None:
 
 def test_wide_steps_of_gguf_q4_layers_run_the_int16_activation_gemm_and_keep_no_dense_copy() -> None:
     """On an AVX-512 CPU with VNNI and no BF16 (--int16-activations, the default), a GGUF Q4 layer's prompt chunks
-    of any size and its decode steps from Q16_FROM_ROWS rows take gemm_q16 (its bits exactly), the narrower decode
-    steps torch's int4 kernel; its dense copy is not kept (never read). A float weight kept by from_float still
-    serves its wide steps."""
+    of any size and its decode steps from Q16_FROM_ROWS rows (every decode step: 1) take gemm_q16 (its bits
+    exactly); its dense copy is not kept (never read). Without int16 activations the narrow decode steps take
+    torch's int4 kernel. A float weight kept by from_float still serves its wide steps."""
     ops = default_ops()
     if not ops.wide_int4_q16:
         pytest.skip("gemm_q16 serves an AVX-512 CPU with VNNI and no BF16 only")
     exact, b = gguf_q4_layer(ops, seed=4)
     assert exact.dense.numel() == 0
-    for rows, prefill in ((1, True), (qg.Q16_FROM_ROWS, False), (DENSE_FROM_ROWS + 40, True)):
+    assert qg.Q16_FROM_ROWS == ops.own_wide_from == 1
+    for rows, prefill in ((1, True), (1, False), (5, False), (DENSE_FROM_ROWS + 40, True)):
         x = torch.randn(rows, 128)
         assert torch.equal(ops.linear(exact, x, prefill), ops._int4.gemm_q16(x, exact.q8, exact.sz8) + b)
-    x = torch.randn(qg.Q16_FROM_ROWS - 1, 128)
-    narrow = ops.linear(exact, x, prefill=False)
+    x = torch.randn(5, 128)
+    off = Ops(dataclasses.replace(ops.config, int16_activations=False))
+    assert not off.wide_int4_q16 and off.own_wide_from > 5
+    narrow = off.linear(exact, x, prefill=False)
     assert rel_err(narrow, ops._int4.gemm_wide(x, exact.q8, exact.sz8) + b) < 2e-2      # torch's, bfloat16 activations
     w = torch.randn(96, 128) * 0.1
     kept = Int4Linear.from_float(w, b, ops)

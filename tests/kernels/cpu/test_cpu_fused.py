@@ -123,16 +123,17 @@ def test_step_activations_follow_the_dense_gemm() -> None:
     wide = torch.float32 if qg.DENSE_DTYPE == torch.float32 else torch.bfloat16
     assert ops.step_act(qg.DENSE_FROM_ROWS, prefill=False) == wide
     assert ops.step_act(1, prefill=True) == wide
-    narrow = torch.float32 if ops.narrow_int4 else torch.bfloat16
+    narrow = torch.float32 if ops.narrow_int4 or ops.own_wide_step(False, 1) else torch.bfloat16
     assert ops.step_act(1, prefill=False) == narrow
     # the C++ int4 GEMMs where the dense GEMM is float32; gemm_wide's AVX-512 loops take decode steps from
-    # WIDE512_FROM_ROWS rows, and torch's int4 kernel the narrower ones
+    # WIDE512_FROM_ROWS rows, and torch's int4 kernel the narrower ones; gemm_q16 every decode step (from 1 row)
     own = qg.DENSE_DTYPE == torch.float32 and ops.cpu is not None
     wide512 = own and ops.cpu is not None and ops.cpu.int4.wide_path == "avx512"
     assert ops.narrow_int4 == (own and not wide512)
     q16 = wide512 and ops.cpu is not None and ops.cpu.int4.has_q16      # and with VNNI, gemm_q16, prompt chunks too
     assert ops.wide_int4_q16 == q16
     assert ops.own_wide_from == (qg.Q16_FROM_ROWS if q16 else qg.WIDE512_FROM_ROWS if wide512 else qg.DENSE_FROM_ROWS)
+    assert (ops.step_act(1, prefill=False) == torch.float32) == (ops.narrow_int4 or q16)
     assert ops.own_wide_step(False, ops.own_wide_from) == own and not ops.own_wide_step(False, ops.own_wide_from - 1)
     assert ops.own_wide_step(True, 1) == ops.own_wide_step(True, 4096) == q16
     assert ops.step_act(ops.own_wide_from, prefill=False) == wide
