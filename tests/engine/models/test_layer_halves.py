@@ -43,26 +43,34 @@ def record_halves(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     return calls
 
 
-def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real_model_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    if default_ops().layer_halves(True, 64, torch.bfloat16) is None:
-        pytest.skip("no C++ halves on this CPU: its wide steps do not take gemm_bf16 (no AVX-512 BF16, or AMX)")
+def halves_against_op_by_op(path: Path, monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """14 prompts of 30-260 tokens, 12 tokens out each, with the halves, then op by op (no prefix cache: the second
+    run computes every prompt as the first did, the same chunks, the same steps): chunks of a 512-token budget,
+    steps mixing chunks and decodes, decode steps of 14 rows down to 1 as the longest finish last. Asserts the same
+    tokens and log-probabilities bit for bit and that both kinds of call ran; returns the one-call decode steps'
+    row counts."""
     rng = random.Random(7)
-    # 14 prompts of 30-260 tokens: chunks of a 512-token budget, steps mixing chunks and decodes, wide decode
-    # steps, down to one sequence left as the longest finish last (every decode step is wide where gemm_bf16 serves)
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 260))] for _ in range(14)]
     calls = record_halves(monkeypatch)
-    # no prefix cache: the second run computes every prompt as the first did (the same chunks, the same steps)
-    llm = LLM(str(real_model_path), max_model_len=1024, num_kv_blocks=512, enable_prefix_caching=False,
+    llm = LLM(str(path), max_model_len=1024, num_kv_blocks=512, enable_prefix_caching=False,
               max_num_batched_tokens=512)
     fast = answers(llm, prompts)
     assert {kind for kind, _ in calls} == {"halves", "decode"}     # prompt and mixed steps; decode steps
-    assert {1, 2, 3} <= {rows for kind, rows in calls if kind == "decode"}     # narrow steps in one call too
+    decode_rows = {rows for kind, rows in calls if kind == "decode"}
     monkeypatch.setattr(Ops, "layer_halves", lambda self, *a: None)
     calls.clear()
     slow = answers(llm, prompts)
     assert not calls
     assert fast == slow
+    return decode_rows
+
+
+def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real_model_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if default_ops().layer_halves(True, 64, torch.bfloat16) is None:
+        pytest.skip("no C++ halves on this CPU: its wide steps do not take gemm_bf16 (no AVX-512 BF16, or AMX)")
+    # every decode step is wide where gemm_bf16 serves: the narrow ones in one call too
+    assert {1, 2, 3} <= halves_against_op_by_op(real_model_path, monkeypatch)
 
 
 def test_every_decode_step_takes_the_halves_and_float32_activations_keep_the_op_by_op_path() -> None:
@@ -89,22 +97,8 @@ def test_the_float32_halves_of_gemm_q16_give_the_op_by_op_paths_tokens_and_logpr
     between the matmuls), those steps run as C++ halves or one call: the same bits as the op-by-op path."""
     halves = f32_halves_or_skip()
     assert halves.gemm == "q16" and halves.act == torch.float32
-    rng = random.Random(7)
-    # 14 prompts of 30-260 tokens, 12 tokens out: chunks of a 512-token budget, mixed steps, decode steps of 14
-    # rows down to 1 as the prompts finish
-    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 260))] for _ in range(14)]
-    calls = record_halves(monkeypatch)
-    llm = LLM(str(real_model_path), max_model_len=1024, num_kv_blocks=512, enable_prefix_caching=False,
-              max_num_batched_tokens=512)
-    fast = answers(llm, prompts)
-    assert {kind for kind, _ in calls} == {"halves", "decode"}
-    decode_rows = {rows for kind, rows in calls if kind == "decode"}
+    decode_rows = halves_against_op_by_op(real_model_path, monkeypatch)
     assert min(decode_rows) == Q16_FROM_ROWS == 1 and max(decode_rows) >= 12, decode_rows
-    monkeypatch.setattr(Ops, "layer_halves", lambda self, *a: None)
-    calls.clear()
-    slow = answers(llm, prompts)
-    assert not calls
-    assert fast == slow
 
 
 def test_the_float32_halves_take_the_steps_of_gemm_q16_only(real_model_path: Path) -> None:
