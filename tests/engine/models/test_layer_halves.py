@@ -109,6 +109,7 @@ def test_the_float32_halves_take_the_steps_of_gemm_q16_only(real_model_path: Pat
     f32_halves_or_skip()
     ops = default_ops()
     assert ops.layer_halves(False, 1, torch.float32) is not None
+    assert "float32 halves" in ops.report.ops["decoder layers, prompt chunks and every decode step"]     # logged
     assert ops.layer_halves(True, 64, torch.bfloat16) is None
     halves = ops.layer_halves(True, 64, torch.float32)
     assert halves is not None
