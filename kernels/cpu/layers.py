@@ -26,9 +26,12 @@ computing while the other waited at the next parallel region for it. With the ha
 (medians of six pairs, alternating; the machine moved single runs by up to 20%).
 
 The float32 kinds, on a 2-core AVX-512 Xeon without BF16 (Cascade Lake), where gemm_q16 takes the prompt chunks
-and the decode steps from 8 rows: a 16-row decode step after a 3,072-token shared prompt spent a quarter of the
-engine thread outside the kernels (perf: Python, ctypes, torch's allocator), the other core spinning in libgomp for
-a third of its samples meanwhile.
+and the decode steps (then from 8 rows): a 16-row decode step after a 3,072-token shared prompt spent a quarter of
+the engine thread outside the kernels (perf: Python, ctypes, torch's allocator), the other core spinning in libgomp
+for a third of its samples meanwhile. With them, in process, alternating: decode steps of 16 rows over 3,151 tokens
+101.8 -> 89.9 ms, of 8 / 12 rows over 576 tokens 75.0 -> 39.9 / 78.0 -> 64.4 ms; and so every decode step takes
+gemm_q16 now (kernels/quant_gemm.py Q16_FROM_ROWS). On --no-int16-activations (gemm_wide, the "wide" kind) and on
+AVX2 / AVX-512 CPUs without VNNI the same holds for gemm_wide's decode steps (tested for bits, not timed).
 
 Where it applies (`LayerHalves.bind`): every layer's four projections int4 with the kind's packed weights
 (gemm_bf16's: a GGUF Q4 model on an AVX-512 BF16 CPU; pack's, kept for gemm_q16 / gemm_wide where the own wide

@@ -5,6 +5,7 @@ the matmuls (gemm_bf16) or float32 (gemm_q16 / gemm_wide); the steps of another 
 keep the op-by-op path."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,13 @@ import torch
 from engine import LLM, SamplingParams
 from kernels.cpu.layers import LayerHalves
 from kernels.ops import Ops, default_ops
-from kernels.quant_gemm import AMX_DENSE_FROM_ROWS, BF16_GEMM_FROM_ROWS, INT8_HEAD_FROM_ROWS, Q16_FROM_ROWS
+from kernels.quant_gemm import (
+    AMX_DENSE_FROM_ROWS,
+    BF16_GEMM_FROM_ROWS,
+    INT8_HEAD_FROM_ROWS,
+    Q16_FROM_ROWS,
+    WIDE512_FROM_ROWS,
+)
 from tests.helpers.kernels import pretend_amx
 
 
@@ -43,34 +50,40 @@ def record_halves(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     return calls
 
 
-def halves_against_op_by_op(path: Path, monkeypatch: pytest.MonkeyPatch) -> set[int]:
+def halves_against_op_by_op(path: Path, monkeypatch: pytest.MonkeyPatch, **engine: Any) -> list[tuple[str, int]]:
     """14 prompts of 30-260 tokens, 12 tokens out each, with the halves, then op by op (no prefix cache: the second
     run computes every prompt as the first did, the same chunks, the same steps): chunks of a 512-token budget,
     steps mixing chunks and decodes, decode steps of 14 rows down to 1 as the longest finish last. Asserts the same
-    tokens and log-probabilities bit for bit and that both kinds of call ran; returns the one-call decode steps'
-    row counts."""
+    tokens and log-probabilities bit for bit; returns the calls of the halves the first run made (record_halves).
+    The thread count stays put (no adaptive threads): a busy machine would change it between the runs, and with it
+    the decode kernel's splits, so the sums' order."""
     rng = random.Random(7)
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randrange(30, 260))] for _ in range(14)]
     calls = record_halves(monkeypatch)
     llm = LLM(str(path), max_model_len=1024, num_kv_blocks=512, enable_prefix_caching=False,
-              max_num_batched_tokens=512)
+              max_num_batched_tokens=512, adaptive_threads=False, **engine)
     fast = answers(llm, prompts)
-    assert {kind for kind, _ in calls} == {"halves", "decode"}     # prompt and mixed steps; decode steps
-    decode_rows = {rows for kind, rows in calls if kind == "decode"}
+    made = list(calls)
     monkeypatch.setattr(Ops, "layer_halves", lambda self, *a: None)
     calls.clear()
     slow = answers(llm, prompts)
     assert not calls
     assert fast == slow
-    return decode_rows
+    return made
+
+
+def decode_rows(calls: list[tuple[str, int]]) -> set[int]:
+    return {rows for kind, rows in calls if kind == "decode"}
 
 
 def test_the_halves_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(real_model_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     if default_ops().layer_halves(True, 64, torch.bfloat16) is None:
         pytest.skip("no C++ halves on this CPU: its wide steps do not take gemm_bf16 (no AVX-512 BF16, or AMX)")
+    calls = halves_against_op_by_op(real_model_path, monkeypatch)
+    assert {kind for kind, _ in calls} == {"halves", "decode"}     # prompt and mixed steps; decode steps
     # every decode step is wide where gemm_bf16 serves: the narrow ones in one call too
-    assert {1, 2, 3} <= halves_against_op_by_op(real_model_path, monkeypatch)
+    assert {1, 2, 3} <= decode_rows(calls)
 
 
 def test_every_decode_step_takes_the_halves_and_float32_activations_keep_the_op_by_op_path() -> None:
@@ -97,8 +110,26 @@ def test_the_float32_halves_of_gemm_q16_give_the_op_by_op_paths_tokens_and_logpr
     between the matmuls), those steps run as C++ halves or one call: the same bits as the op-by-op path."""
     halves = f32_halves_or_skip()
     assert halves.gemm == "q16" and halves.act == torch.float32
-    decode_rows = halves_against_op_by_op(real_model_path, monkeypatch)
-    assert min(decode_rows) == Q16_FROM_ROWS == 1 and max(decode_rows) >= 12, decode_rows
+    calls = halves_against_op_by_op(real_model_path, monkeypatch)
+    assert {kind for kind, _ in calls} == {"halves", "decode"}
+    rows = decode_rows(calls)
+    assert min(rows) == Q16_FROM_ROWS == 1 and max(rows) >= 12, rows
+
+
+def test_without_int16_activations_gemm_wides_decode_steps_take_the_float32_halves_bit_for_bit(
+        real_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-int16-activations on that CPU: gemm_wide (float32 activations) takes the decode steps from
+    WIDE512_FROM_ROWS rows, as the float32 halves' "wide" kind in one call; prompt chunks (oneDNN's float32 GEMM) and
+    narrower decode steps (torch's int4 kernel) op by op; the same bits as the op-by-op path. The kind an AVX2 or
+    AVX-512 CPU without VNNI runs (there from DENSE_FROM_ROWS / WIDE512_FROM_ROWS rows)."""
+    f32_halves_or_skip()
+    off = Ops(dataclasses.replace(default_ops().config, int16_activations=False))
+    halves = off.layer_halves(False, WIDE512_FROM_ROWS, torch.float32)
+    assert halves is not None and halves.gemm == "wide" and off.own_wide_from == WIDE512_FROM_ROWS
+    assert off.layer_halves(True, 64, torch.float32) is None and off.layer_halves(False, 11, torch.bfloat16) is None
+    calls = halves_against_op_by_op(real_model_path, monkeypatch, int16_activations=False)
+    assert {kind for kind, _ in calls} == {"decode"}
+    assert min(decode_rows(calls)) >= WIDE512_FROM_ROWS and max(decode_rows(calls)) == 14, calls
 
 
 def test_the_float32_halves_take_the_steps_of_gemm_q16_only(real_model_path: Path) -> None:
