@@ -80,10 +80,11 @@ class EngineConfig:
                                         "measured on AMX yet, `prefixserve bench gemm` measures it); no effect "
                                         "without AMX")
     int16_activations: bool = knob(True, "on an AVX-512 CPU with VNNI but no BF16 (Cascade Lake, Ice Lake): a GGUF "
-                                         "4-bit model's prompt chunks and wide decode steps run our int4 x int16 GEMM "
+                                         "4-bit model's prompt chunks and decode steps run our int4 x int16 GEMM "
                                          "(each group of 32 activations rounded to 16-bit integers, the 4-bit weights "
                                          "exact: kernels/cpu/int4_gemm.py gemm_q16) instead of float32 GEMMs; off: "
-                                         "oneDNN's float32 GEMM and gemm_wide; no effect on other CPUs")
+                                         "oneDNN's float32 GEMM, gemm_wide and torch's int4 kernel; no effect on "
+                                         "other CPUs")
     batch_invariant: bool = knob(False, "a request's tokens and logprobs do not depend on its batch, chunking or the "
                                         "prefix cache: one GEMM kernel for every step, fixed decode splits, no "
                                         "cascade, one attention kernel for prompt and generated tokens (slower; CPU "

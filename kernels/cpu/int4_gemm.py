@@ -15,7 +15,7 @@
                           twice a float32 FMA's), exact integer sums a group, then the group's scales in float32;
                           AVX-512 VNNI builds (`has_q16`): panels of 32 outputs x <= 256 inputs, 6 rows
                           x 32 outputs a pass. What an AVX-512 CPU without BF16 (Cascade Lake) runs for a GGUF Q4
-                          layer's prompt chunks and wide decode steps (kernels/ops.py)
+                          layer's prompt chunks and decode steps (kernels/ops.py)
     pack_bf16(q, s, z)    (w4 [N / 16, K / 2, 16] uint8: byte (p, w, 2 j + c) holds q[16 p + j, 2 w + c] and,
                           above it, q[16 p + 8 + j, 2 w + c]; sz [N / 16, K / 32, 2, 16] bfloat16: s, then z) for
                           gemm_bf16: its low nibbles widen to the first 8 outputs' dimension pairs, its high
