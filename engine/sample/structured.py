@@ -21,6 +21,7 @@ so they are filled right before sampling rather than overlapped with it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -32,6 +33,23 @@ from engine.sample.grammar_cache import GrammarCache
 from engine.sample.grammar_probe import CompileCancelled, CompileTimedOut, GrammarProbe, compile_spec
 
 Kind = Literal["json", "json_schema", "regex", "choice", "grammar"]
+
+
+NO_OUTPUT = "admits no output (no text matches it, e.g. a schema that only refers to itself)"
+# xgrammar's C++ errors begin with its log prefix, "[13:11:37] /project/cpp/json_schema_converter.cc:4944: "
+_LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
+# What xgrammar (0.2.9 on) says at compile time of a schema that only refers to itself: before, it compiled, and
+# the first token's empty mask told us (`Grammars.compile`). Either way the client is told the same.
+_NO_CONTENT = ("Circular $ref chain with no schema content",)
+
+
+def refusal(what: str, error: str) -> str:
+    """The 400's message for a spec xgrammar would not compile: its error without the C++ log prefix (a time of
+    day and a path of xgrammar's build), and a schema with no instance said as one, whichever xgrammar found it."""
+    text = _LOG_PREFIX.sub("", error.strip())
+    if any(marker in text for marker in _NO_CONTENT):
+        return f"{what} {NO_OUTPUT}: {text}"
+    return f"{what} does not compile: {text}"
 
 
 @dataclass(frozen=True)
@@ -90,14 +108,13 @@ class Grammars:
                                      "server's --grammar-compile-timeout); simplify it (fewer length-bounded "
                                      "strings, smaller bounds)", param=spec.param) from None
             if error is not None:
-                raise InvalidRequest(f"{what} does not compile: {error}", param=spec.param)
+                raise InvalidRequest(refusal(what, error), param=spec.param)
         try:
             compiled = compile_spec(self._compiler, spec.kind, spec.value)
         except Exception as exc:            # xgrammar raises RuntimeError / ValueError with its parse error
-            raise InvalidRequest(f"{what} does not compile: {exc}", param=spec.param) from None
+            raise InvalidRequest(refusal(what, str(exc)), param=spec.param) from None
         if not self._first_mask(compiled).any():
-            raise InvalidRequest(f"{what} admits no output (no text matches it, e.g. a schema that only "
-                                 "refers to itself)", param=spec.param)
+            raise InvalidRequest(f"{what} {NO_OUTPUT}", param=spec.param)
         self.cache.put(spec, compiled, int(compiled.memory_size_bytes))
         return compiled
 
