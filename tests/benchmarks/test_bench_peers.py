@@ -19,7 +19,7 @@ from benchmarks.served.peers import bench, onednn, prompts, report
 from benchmarks.served.peers.contention import SPIN, busy_neighbour, cpu_seconds, run_contention
 from benchmarks.served.peers.loads import session_figures, sessions
 from benchmarks.served.peers.prompts import Session, SharedPrompt, Sizes, Workload, chat_len
-from benchmarks.served.peers.servers import Server, make_servers
+from benchmarks.served.peers.servers import Server, group_alive, make_servers
 from tests.helpers.server import ServerThread, tiny_config
 
 DATA = Path(__file__).parent / "data"
@@ -107,6 +107,27 @@ def test_busy_neighbour_is_killed_when_the_run_fails() -> None:
 
 
 # -- oneDNN verbose ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("child_lives_s", [1.5, 60.0])
+def test_stopping_a_server_waits_for_its_whole_process_group(tmp_path: Path, child_lives_s: float) -> None:
+    """vLLM's engine core is a child of its API server: stop() returned once the leader had exited, so a child still
+    exiting (or spinning its threads) ran beside the next system's workload. Now stop() returns once no process of
+    the group runs: a child that ignores SIGTERM for a while is waited for, one that ignores it for good is killed."""
+    import subprocess
+    started = tmp_path / "started"
+    child = f"trap '' TERM; echo $$ > {started}; sleep {child_lives_s}"
+    proc = subprocess.Popen(["sh", "-c", f"sh -c \"{child}\" & wait"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert started.exists() and group_alive(proc.pid)
+    server = Server("x", [], {}, 0, 0, {}, proc=proc)
+    t = time.monotonic()
+    server.stop(timeout=1.0)
+    assert proc.returncode is not None and not group_alive(proc.pid)
+    assert time.monotonic() - t < 15
+    server.stop()                                                   # stopped already: nothing to do
+
+
 def test_onednn_verbose_parser_on_lines_captured_here() -> None:
     # torch 2.13's oneDNN on this AVX2 CPU: f32 inner products (mkldnn linear) at 1, 8, 9, 8 rows, a u8 x s8
     # matmul (onednn.qlinear_pointwise) at 16, 16, 64 rows, reorders and one convolution

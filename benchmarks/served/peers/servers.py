@@ -13,6 +13,7 @@ length limit, so the long-prompt workloads fit all three the same way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -78,15 +79,45 @@ class Server:
         self.stop()
         raise RuntimeError(f"{self.name} did not answer within {self.start_timeout:.0f} s (log: {self.log})")
 
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to the server's process group; returns once every process of the group has exited (SIGKILL to
+        what is left after `timeout` s). Not only its leader: vLLM's engine core is a child process, and one still
+        spinning its OpenMP threads after the API server exited would run beside the next system's workload."""
+        if self.proc is None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        group = self.proc.pid
+        if self.proc.poll() is None or group_alive(group):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while (self.proc.poll() is None or group_alive(group)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.proc.poll() is None or group_alive(group):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
             self.proc.wait()
+            deadline = time.monotonic() + 10
+            while group_alive(group) and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (a zombie does not: exited, only not reaped yet), from /proc;
+    False where there is no /proc."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return False
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()      # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def peer_python(flag: str | None, env: str) -> tuple[str | None, str]:
