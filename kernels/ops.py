@@ -155,11 +155,11 @@ class Ops:
                          if self._amx_dense_from is None else
                          f"c++ int4 x bf16 gemm for decode steps below {self._amx_dense_from} rows, bfloat16 "
                          "(oneDNN, AMX) for prompt chunks and wider steps (GGUF int4 layers); other layers: ")
+            decode_steps = "every decode step" if self.own_wide_from <= 1 else \
+                f"decode steps from {self.own_wide_from} rows"
             own_int4 = ("" if self._int4 is None else
-                        "c++ int4 x int16 gemm_q16 (avx512 vnni) for prompt chunks and "
-                        + ("every decode step" if self.own_wide_from <= 1 else
-                           f"decode steps from {self.own_wide_from} rows")
-                        + " (GGUF int4 layers); " if self._q16 else
+                        f"c++ int4 x int16 gemm_q16 (avx512 vnni) for prompt chunks and {decode_steps} "
+                        "(GGUF int4 layers); " if self._q16 else
                         f"c++ int4 gemm_wide ({self._int4.wide_path}) from {self.own_wide_from} decode rows (GGUF int4 "
                         "layers); " + ("c++ int4 gemm (int4 layers) or " if self.narrow_int4 else ""))
             ops["quantized gemm"] = ("int4 / int8 kernel at every row count (batch-invariant)"
@@ -182,8 +182,7 @@ class Ops:
                 ops[f"decoder layers, {steps}"] = (f"c++ {self.cpu.variant} halves around the attention "
                                                    "(GGUF int4 layers: kernels/cpu/layers.py)")
             elif self._int4 is not None and self._fused is not None and self.cpu is not None:
-                steps = ("prompt chunks and every decode step" if self._q16 and self.own_wide_from <= 1 else
-                         ("prompt chunks and " if self._q16 else "") + f"decode steps from {self.own_wide_from} rows")
+                steps = ("prompt chunks and " if self._q16 else "") + decode_steps
                 ops[f"decoder layers, {steps}"] = (f"c++ {self.cpu.variant} float32 halves around the attention "
                                                    "(GGUF int4 layers: kernels/cpu/layers.py)")
         self.report = KernelReport(str(self.device), self.cpu.variant if self.cpu is not None else None, reason, ops,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 import time
 from argparse import Namespace
@@ -112,7 +113,6 @@ def test_stopping_a_server_waits_for_its_whole_process_group(tmp_path: Path, chi
     """vLLM's engine core is a child of its API server: stop() returned once the leader had exited, so a child still
     exiting (or spinning its threads) ran beside the next system's workload. Now stop() returns once no process of
     the group runs: a child that ignores SIGTERM for a while is waited for, one that ignores it for good is killed."""
-    import subprocess
     started = tmp_path / "started"
     child = f"trap '' TERM; echo $$ > {started}; sleep {child_lives_s}"
     proc = subprocess.Popen(["sh", "-c", f"sh -c \"{child}\" & wait"], start_new_session=True)

@@ -25,6 +25,7 @@ import requests
 from engine.kv.events import KVEventsConfig
 from tests.helpers.kv_subscriber import LOOPBACK, listening
 from tests.helpers.redis_server import RedisServer, free_port
+from tests.helpers.schemas import patterns_schema
 from tests.helpers.server import ServerProcess, http
 
 SYSTEM = "You are the reliability suite's system prompt; answer in one short line about caches. " * 3
@@ -568,21 +569,12 @@ def _strings_schema(n: int, max_length: int) -> dict:
             "required": [f"p{i}" for i in range(n)], "additionalProperties": False}
 
 
-def _patterns_schema(n: int, bound: int) -> dict:
-    """n required strings, each matching its own length-bounded pattern: 40 x 2,000 took 15 s of CPU to compile on
-    the tiny checkpoint's vocabulary with xgrammar 0.2.9 (and 0.2.8), which compiles `_strings_schema(200, 10000)`
-    (two minutes on 0.2.8) at once."""
-    return {"type": "object",
-            "properties": {f"p{i}": {"type": "string", "pattern": f"[a-z0-9]{{1,{bound + 7 * i}}}"} for i in range(n)},
-            "required": [f"p{i}" for i in range(n)], "additionalProperties": False}
-
-
 def test_a_grammar_that_compiles_for_a_minute(srv: ServerProcess) -> None:
     """Issue 24, item 2: a 3 KB schema (40 strings with long bounded patterns; seconds of CPU to compile on this
     test model's 384-token vocabulary, more on a real one) is refused with a 400 naming the limit once
     --grammar-compile-timeout passed; meanwhile another client's plain completion and cheap grammar finish at
     once; and a client that leaves while its grammar compiles has its compile killed, freeing the compiler."""
-    slow = {"type": "json_schema", "json_schema": {"name": "slow", "schema": _patterns_schema(40, 2000)}}
+    slow = {"type": "json_schema", "json_schema": {"name": "slow", "schema": patterns_schema(40, 2000, step=7)}}
     msg = [{"role": "user", "content": "hi"}]
 
     async def run() -> None:
@@ -611,8 +603,8 @@ def test_a_grammar_that_compiles_for_a_minute(srv: ServerProcess) -> None:
 
             leaving = [asyncio.create_task(post("/v1/chat/completions", {"messages": msg, "max_tokens": 8,
                                                                          "response_format": {**slow, "json_schema": {
-                                                                             "name": "x", "schema": _patterns_schema(
-                                                                                 40, 3000 + i)}}}))
+                                                                             "name": "x", "schema": patterns_schema(
+                                                                                 40, 3000 + i, step=7)}}}))
                        for i in range(2)]                                  # as many as the compile workers
             await asyncio.sleep(0.5)
             assert _compiles_running(srv) == 2

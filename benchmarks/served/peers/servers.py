@@ -83,21 +83,20 @@ class Server:
         """SIGTERM to the server's process group; returns once every process of the group has exited (SIGKILL to
         what is left after `timeout` s). Not only its leader: vLLM's engine core is a child process, and one still
         spinning its OpenMP threads after the API server exited would run beside the next system's workload."""
-        if self.proc is None:
+        proc = self.proc
+        if proc is None:
             return
-        group = self.proc.pid
-        if self.proc.poll() is None or group_alive(group):
+
+        def running() -> bool:
+            return proc.poll() is None or group_alive(proc.pid)
+
+        for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            if not running():
+                return
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while (self.proc.poll() is None or group_alive(group)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if self.proc.poll() is None or group_alive(group):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
-            self.proc.wait()
-            deadline = time.monotonic() + 10
-            while group_alive(group) and time.monotonic() < deadline:
+                os.killpg(proc.pid, sig)
+            deadline = time.monotonic() + wait_s
+            while running() and time.monotonic() < deadline:
                 time.sleep(0.1)
 
 

@@ -19,6 +19,7 @@ from engine import LLM, InvalidRequest, SamplingParams
 from engine.sample.grammar_cache import GrammarCache
 from engine.sample.grammar_probe import CompileCancelled
 from engine.sample.structured import Grammars, StructuredSpec
+from tests.helpers.schemas import patterns_schema
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"},
@@ -152,16 +153,6 @@ def test_compiled_grammars_are_bounded_and_evicted_ones_recompile(llm: LLM, monk
     assert len(g.cache) == 2
 
 
-def _patterns_schema(n: int, bound: int) -> dict:
-    """n required strings, each matching its own length-bounded pattern (each a rule of its own): seconds of CPU to
-    compile with xgrammar 0.2.8 and 0.2.9 alike (20 x 2,000: 7 s on the tiny checkpoint's vocabulary, 10 s on
-    SmolLM2's). 0.2.9 compiles the long maxLength strings of `_strings_schema` at once (0.03 s for 200 x 10,000,
-    two minutes on 0.2.8)."""
-    return {"type": "object",
-            "properties": {f"p{i}": {"type": "string", "pattern": f"[a-z0-9]{{1,{bound + i}}}"} for i in range(n)},
-            "required": [f"p{i}" for i in range(n)], "additionalProperties": False}
-
-
 def _compile_children(g: Grammars) -> int:
     """Compiles in flight: the children of the grammar compile helper (engine/sample/grammar_probe.py)."""
     proc = g._probe._proc
@@ -183,7 +174,7 @@ def test_a_slow_compile_is_killed_at_the_timeout_or_when_cancelled(llm: LLM, mon
     g = llm.engine.core.grammars
     g.compile(StructuredSpec("regex", "warm"))                           # the helper process is up
     monkeypatch.setattr(g, "compile_timeout", 0.5)
-    slow = StructuredSpec("json_schema", json.dumps(_patterns_schema(20, 2000)), "guided_json")
+    slow = StructuredSpec("json_schema", json.dumps(patterns_schema(20, 2000)), "guided_json")
     t = time.monotonic()
     with pytest.raises(InvalidRequest) as exc:
         g.compile(slow)
@@ -195,7 +186,7 @@ def test_a_slow_compile_is_killed_at_the_timeout_or_when_cancelled(llm: LLM, mon
     monkeypatch.setattr(g, "compile_timeout", 60.0)
     t = time.monotonic()
     with pytest.raises(CompileCancelled):
-        g.compile(StructuredSpec("json_schema", json.dumps(_patterns_schema(21, 2000))), cancelled)
+        g.compile(StructuredSpec("json_schema", json.dumps(patterns_schema(21, 2000))), cancelled)
     assert time.monotonic() - t < 3
     _children_end(g)
     assert len(g.cache) >= 1 and slow not in g.cache.keys()
