@@ -228,7 +228,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """One class for the three architectures: they differ only in config (bias, tying, window)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, ops: Ops | None = None) -> None:
         super().__init__()
         self.args = args
         self.scale = args.head_dim ** -0.5          # attention's softmax scale, every layer's
@@ -242,7 +242,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.ops: Ops = default_ops()               # the op layer (the loader sets the engine's)
+        # the op layer: the loader passes the engine's (a CUDA engine's loads no C++ CPU kernels); default_ops() for a
+        # model made on its own (tests, tools)
+        self.ops: Ops = ops if ops is not None else default_ops()
         self.mixed = False                          # quantized: bfloat16 between the matmuls (the loader sets it)
         # the layers as each kind of C++ halves takes them (bound at its first wide step; False: they do not fit)
         self._halves_layers: dict[str, BoundModel | bool] = {}

@@ -172,7 +172,7 @@ def load_model(model: str, device: str = "cpu", dtype: str = "float32", quantiza
     args = ModelArgs.from_hf_config(cfg)
     torch_dtype = _DTYPES[dtype]
     with torch.device("meta"):
-        net = LlamaForCausalLM(args)
+        net = LlamaForCausalLM(args, ops)
     net = net.to_empty(device=device)
     if args.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight

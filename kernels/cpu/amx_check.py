@@ -60,8 +60,13 @@ def decode_error(decode: PagedDecode) -> float:
 
 
 def disagreement(prefill: PagedPrefill, decode: PagedDecode) -> str | None:
-    """None where the AMX tiles agree with the vector tiles in both kernels, else what disagreed."""
-    errors = {"prefill": prefill_error(prefill), "decode": decode_error(decode)}
+    """None where the AMX tiles agree with the vector tiles in both kernels, else what disagreed.
+
+    NOTE: its tensors are made on the CPU whatever the caller's default device: the first load of the kernels may
+    come inside a `torch.device("meta")` block (a model built on the meta device), whose meta tensors would hand the
+    C++ kernels null pointers (a segfault, seen on the first AMX CPU this check ran on)."""
+    with torch.device("cpu"):
+        errors = {"prefill": prefill_error(prefill), "decode": decode_error(decode)}
     bad = {k: e for k, e in errors.items() if not e <= TOLERANCE}         # NaN counts as a disagreement
     if not bad:
         return None

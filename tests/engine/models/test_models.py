@@ -105,3 +105,21 @@ def test_context_weight_is_attention_against_the_projections_multiply_adds(tiny_
     assert llm.engine.core.scheduler.context_weight == args.context_weight
     assert llm.engine.core.scheduler.decode_prefill_cost == 288
     assert ModelArgs("LlamaForCausalLM", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e4).context_weight == 1 / 3072
+
+
+def test_the_loader_builds_the_model_on_the_engines_op_layer_only(tiny_llama_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model loaded for an engine runs on that engine's op layer from its construction: no default one is made
+    on the side (it loaded the C++ CPU kernels, and ran their AMX start check, in a CUDA engine's process)."""
+    import engine.models.llama as llama
+    import engine.models.loader as loader
+    from kernels.ops import KernelConfig, Ops
+
+    def refused(device: str = "cpu") -> Ops:
+        raise AssertionError("default_ops() called while loading for an engine")
+
+    monkeypatch.setattr(llama, "default_ops", refused)
+    monkeypatch.setattr(loader, "default_ops", refused)
+    ops = Ops(KernelConfig(cpu_kernels="none"))
+    loaded = load_model(str(tiny_llama_dir), ops=ops)
+    assert loaded.model.ops is ops

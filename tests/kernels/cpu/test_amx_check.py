@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.cpu import amx_check
-from kernels.cpu.library import CpuKernels, load, settle_amx_tiles
+from kernels.cpu.library import CpuKernels, load, runnable_variants, settle_amx_tiles
 from kernels.cpu.paged_prefill import AMX, BEST, VECTOR
 from tests.kernels.cpu.conftest import BF16_BUILDS
 
@@ -66,3 +66,20 @@ def test_a_build_without_amx_tiles_is_not_checked(bf16: CpuKernels) -> None:
         raise AssertionError("checked")
     if bf16.paths["paged_prefill"] != "amx":
         assert settle_amx_tiles(bf16, check=boom) is bf16
+
+
+def test_the_check_runs_on_cpu_tensors_inside_a_meta_device_block() -> None:
+    """The first load of the kernels (and so the check) can come while a model is built on the meta device: the
+    check's tensors must still be CPU tensors. Before, the kernels got meta tensors' null pointers and the process
+    died (SIGSEGV: the CUDA engine's model construction on the first AMX CPU). In a child process, so that the old
+    behaviour fails this test instead of killing the run."""
+    import subprocess
+    import sys
+
+    if not runnable_variants():
+        pytest.skip("no build of the C++ kernels runs here")
+    code = ("import torch\nfrom kernels.cpu import amx_check\nfrom kernels.cpu.library import load\nk = load()\n"
+            "with torch.device('meta'):\n    print('verdict', amx_check.disagreement(k.prefill, k.decode))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "verdict" in run.stdout
