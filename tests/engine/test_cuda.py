@@ -1,10 +1,11 @@
-"""The engine on a CUDA GPU, through the Triton kernels end to end (skipped without a GPU; run on an H200 by
-benchmarks/gpu/check.sh).
+"""The engine on a CUDA GPU, through the Triton kernels end to end (skipped without a GPU; they ran on an H200:
+benchmarks/results/h200-amx-first-run/).
 
 Agreement criteria:
 - float32 (`--quantization none`, the default dtype): greedy tokens equal transformers' `generate` token for
-  token, prefix cache cold and warm, block sizes 16 and 8, under preemption, and behind a pinned prefix. The fp32
-  kernels use IEEE dots (no TF32), so only summation order differs from transformers.
+  token behind a pinned prefix here; prefix cache cold and warm, block sizes 16, 8 and 1, and under preemption in
+  tests/engine/test_parity.py (its `cuda` cases). The fp32 kernels use IEEE dots (no TF32), so only summation order
+  differs from transformers.
 - bfloat16: vLLM's criterion for half-precision parity (its tests' `check_logprobs_close`): our greedy tokens equal
   transformers' bf16 greedy tokens up to the first position where they differ, and there each side's token is in
   the other's top 5. Both round every matmul to bf16, in different orders, so near-ties may flip.
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.engine.test_parity import GREEDY, MAX_NEW, run
+from tests.engine.test_parity import GREEDY, MAX_NEW
 from tests.helpers.random_checkpoint import build_checkpoint, demo_corpus
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -31,26 +32,6 @@ def cuda_llm(path: Path, **kwargs) -> LLM:  # type: ignore[no-untyped-def]
     assert llm.engine.core.attention_backend == "triton"      # the default on CUDA
     assert llm.engine.core.ops.report.ops["paged decode"] == "triton"
     return llm
-
-
-@pytest.mark.parametrize("block_size", [16, 8])
-def test_fp32_greedy_parity_cold_and_warm(reference, block_size: int) -> None:
-    path, prompts, expected = reference
-    llm = cuda_llm(path, block_size=block_size, num_kv_blocks=4096 // block_size, max_num_batched_tokens=64)
-    assert run(llm, prompts) == expected                      # cold: shared steps, chunked prefill
-    hits = llm.stats().prefix_cache_hit_tokens_total
-    assert run(llm, prompts) == expected                      # warm: the prefill kernel over cached blocks
-    assert llm.stats().prefix_cache_hit_tokens_total > hits
-    assert llm.stats().kv_blocks_used == 0
-
-
-def test_fp32_greedy_parity_under_preemption(reference) -> None:
-    path, prompts, expected = reference
-    llm = cuda_llm(path, block_size=4, num_kv_blocks=24, max_num_batched_tokens=32)
-    assert run(llm, prompts) == expected
-    stats = llm.stats()
-    assert stats.preemptions_total > 0, "the cache was meant to be small enough to force preemption"
-    assert stats.kv_blocks_used == stats.kv_blocks_pinned == 0
 
 
 def test_fp32_pinned_prefix_is_served_from_the_cache(reference) -> None:

@@ -25,6 +25,10 @@ def make_prompts(vocab: int) -> list[list[int]]:
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+# some parity tests run on the CPU, and on a CUDA GPU where there is one (the Triton kernels; tests/engine/test_cuda.py
+# has the GPU's other tests)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA GPU"))]
 
 
 def shared_prefix_case(model_dir: Path, seed: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -47,10 +51,12 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_size", [16, 8, 1])
-def test_greedy_parity_cold_and_warm(reference, block_size: int) -> None:
+def test_greedy_parity_cold_and_warm(reference, block_size: int, device: str) -> None:
     path, prompts, expected = reference
-    llm = LLM(str(path), block_size=block_size, num_kv_blocks=4096 // block_size, max_num_batched_tokens=64)
+    llm = LLM(str(path), block_size=block_size, num_kv_blocks=4096 // block_size, max_num_batched_tokens=64,
+              device=device)
     assert run(llm, prompts) == expected                      # cold: prompts share steps, chunked prefill
     hits_before = llm.stats().prefix_cache_hit_tokens_total
     assert run(llm, prompts) == expected                      # warm: the same prompts hit the cache
@@ -58,9 +64,10 @@ def test_greedy_parity_cold_and_warm(reference, block_size: int) -> None:
     assert llm.stats().kv_blocks_used == 0
 
 
-def test_greedy_parity_under_preemption(reference) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_parity_under_preemption(reference, device: str) -> None:
     path, prompts, expected = reference
-    llm = LLM(str(path), block_size=4, num_kv_blocks=24, max_num_batched_tokens=32)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, device=device)
     assert run(llm, prompts) == expected
     stats = llm.stats()
     assert stats.preemptions_total > 0, "the cache was meant to be small enough to force preemption"
