@@ -40,13 +40,13 @@ def test_cpu_backend_matches_reference(case: int, dtype: torch.dtype, compiled: 
     # float32 products over the same cache values (bf16-rounded where the cache is bf16): float32 rounding
     # only; except over a bf16 cache with the C++ kernels on a build with AVX-512 BF16 (or AMX): prefill rows
     # (kernels/cpu/paged_prefill.py) and decode rows (kernels/cpu/paged_decode.py) take bf16 products, within 0.5%
-    # of the largest |V| (an AMX build's decode too: its path is "amx"); and prefill rows on an AVX-512 VNNI build,
-    # int16 products, within the same
+    # of the largest |V| (BF16_PATHS: an AMX build's decode too, whose path is "amx"); and prefill rows on an
+    # AVX-512 VNNI build, int16 products, within the same
     prefill = torch.tensor([b.md.is_prefill(i) for i, q_len in enumerate(query_lens) for _ in range(q_len)])
     tight = torch.ones_like(prefill)
     if compiled and load().prefill.path(dtype) in BF16_PATHS + I16_PATHS:
         tight &= ~prefill
-    if compiled and dtype == torch.bfloat16 and load().decode.path in ("avx512_bf16", "amx"):
+    if compiled and dtype == torch.bfloat16 and load().decode.path in BF16_PATHS:
         tight &= prefill
     torch.testing.assert_close(out.double()[tight], expected[tight], atol=2e-5, rtol=2e-5)
     vmax = b.value_cache.float().nan_to_num(0).abs().amax().item()
