@@ -107,7 +107,6 @@ def test_busy_neighbour_is_killed_when_the_run_fails() -> None:
     assert proc.returncode is not None and not Path(f"/proc/{proc.pid}").exists()
 
 
-# -- oneDNN verbose ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("child_lives_s", [1.5, 60.0])
 def test_stopping_a_server_waits_for_its_whole_process_group(tmp_path: Path, child_lives_s: float) -> None:
     """vLLM's engine core is a child of its API server: stop() returned once the leader had exited, so a child still
@@ -128,6 +127,7 @@ def test_stopping_a_server_waits_for_its_whole_process_group(tmp_path: Path, chi
     server.stop()                                                   # stopped already: nothing to do
 
 
+# -- oneDNN verbose ---------------------------------------------------------------------------------------
 def test_onednn_verbose_parser_on_lines_captured_here() -> None:
     # torch 2.13's oneDNN on this AVX2 CPU: f32 inner products (mkldnn linear) at 1, 8, 9, 8 rows, a u8 x s8
     # matmul (onednn.qlinear_pointwise) at 16, 16, 64 rows, reorders and one convolution
