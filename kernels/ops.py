@@ -238,9 +238,11 @@ class Ops:
     @property
     def head_wide_rows(self) -> int:
         """The rows from which a quantized head takes its wide product (the int8 x int8 one): INT8_HEAD_FROM_ROWS
-        where gemm_bf16 serves the layers (its crossover with the int4 rows, measured there); else
-        DENSE_FROM_ROWS."""
-        return qg.INT8_HEAD_FROM_ROWS if self._int4_bf16 is not None else qg.DENSE_FROM_ROWS
+        where gemm_bf16 serves the layers, INT8_HEAD_Q16_FROM_ROWS where gemm_q16 does (each its crossover with the
+        int4 rows, measured there: kernels/quant_gemm.py); else DENSE_FROM_ROWS."""
+        if self._int4_bf16 is not None:
+            return qg.INT8_HEAD_FROM_ROWS
+        return qg.INT8_HEAD_Q16_FROM_ROWS if self._q16 else qg.DENSE_FROM_ROWS
 
     @property
     def narrow_int4(self) -> bool:

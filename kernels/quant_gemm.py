@@ -93,6 +93,13 @@ WIDE512_FROM_ROWS = 12
 # 28.2 / 32.8 / 46.5 / 63.0 from 8 (the halves then took the steps from 8 rows only).
 Q16_FROM_ROWS = 1
 INT8_HEAD_FROM_ROWS = 4
+# Where gemm_q16 serves the layers (AVX-512 VNNI without BF16), the head's int8 x int8 product (Int8ActHead, oneDNN with
+# VNNI) takes its steps from this many rows: a whole `Ops.logits` call (the coarse product, then the top candidates
+# recomputed) on SmolLM2's 49,152 x 576 head, a Cascade Lake Xeon, 2 threads, the two alternating (medians of five):
+# the int4 rows 2.19 / 1.88 / 2.41 / 4.04 / 5.02 / 5.55 / 7.71 / 14.69 ms at 1 / 2 / 3 / 4 / 6 / 8 / 12 / 15 rows,
+# the int8 head 2.11 / 1.91 / 2.03 / 2.33 / 2.28 / 2.52 / 2.82 / 4.34. It had DENSE_FROM_ROWS (16) there, never
+# measured: a decode step of 8 streams spent ~3 ms more on its head than it had to, one of 15 ~10 ms.
+INT8_HEAD_Q16_FROM_ROWS = 3
 
 
 def onednn_bf16() -> bool:
@@ -193,5 +200,6 @@ class Int8ActHead:
 
 
 __all__ = ["ACT", "BF16_GEMM_FROM_ROWS", "DENSE_DTYPE", "DENSE_FROM_ROWS", "GROUP", "INT8_HEAD_FROM_ROWS",
+           "INT8_HEAD_Q16_FROM_ROWS",
            "Q16_FROM_ROWS", "WIDE512_FROM_ROWS", "Int8ActHead", "dense_mm", "int4_fits", "int4_mm", "int8_mm",
            "onednn_bf16", "pack_dense", "pack_int4"]

@@ -20,6 +20,7 @@ from kernels.quant_gemm import (
     AMX_DENSE_FROM_ROWS,
     BF16_GEMM_FROM_ROWS,
     INT8_HEAD_FROM_ROWS,
+    INT8_HEAD_Q16_FROM_ROWS,
     Q16_FROM_ROWS,
     WIDE512_FROM_ROWS,
 )
@@ -102,6 +103,39 @@ def f32_halves_or_skip() -> LayerHalves:
     if halves is None or not ops.wide_int4_q16:
         pytest.skip("no float32 C++ halves of gemm_q16 on this CPU (AVX-512 VNNI without BF16)")
     return halves
+
+
+def test_where_gemm_q16_serves_the_layers_the_head_takes_its_int8_product_from_three_rows() -> None:
+    """The head's int8 x int8 product (oneDNN, VNNI) is as fast as the int4 rows at 1-2 rows and 2-3x faster from
+    4 (kernels/quant_gemm.py INT8_HEAD_Q16_FROM_ROWS): a step of 3 rows or more takes it, one of 1 or 2 the int4
+    rows; greedy choices the same either way (the top candidates recomputed exactly)."""
+    from engine.models.quant import QuantLogits
+
+    ops = default_ops()
+    if not ops.wide_int4_q16:
+        pytest.skip("gemm_q16 does not serve the layers on this CPU (AVX-512 VNNI without BF16)")
+    assert ops.head_wide_rows == INT8_HEAD_Q16_FROM_ROWS == 3
+    torch.manual_seed(3)
+    w = torch.randn(4096, 576)
+    head = QuantLogits(w, "int4", ops=ops)
+    assert head.wide is not None
+    calls: list[int] = []
+
+    class Spy:
+        refine = head.wide.refine
+
+        def __init__(self, wide: Any) -> None:
+            self.wide = wide
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return self.wide(x)
+
+    head.wide = Spy(head.wide)
+    for rows in (1, 2, 3, 8):
+        x = torch.randn(rows, 576)
+        assert torch.equal(head(x).argmax(-1), (x @ w.T).argmax(-1))
+    assert calls == [3, 8]
 
 
 def test_the_float32_halves_of_gemm_q16_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(
