@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The project's checks on a CUDA machine, in one go (4-7 minutes of commands on an H200 with a 16-core host, by the
-# parts' times in the first session's runs):
+# The project's checks on a CUDA machine, in one go (247 s on an H200 with a 16-core host, its one run as a whole so
+# far: benchmarks/results/h200-amx-second-run/):
 # what the first device session ran by hand (benchmarks/results/h200-amx-first-run/), so that the next one spends its
 # device time on the results. Run from the repository root, with the machine's own torch / triton:
 #
