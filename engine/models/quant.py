@@ -169,7 +169,8 @@ class QuantLogits(nn.Module):
     recomputed exactly, in float32, from the serving weight (the embedding table when tied: no copy).
     `Ops.logits` runs it:
 
-        steps of fewer than DENSE_FROM_ROWS rows   the quantized rows (int4 or int8, as the layers); top 64
+        steps under `Ops.head_wide_rows` rows      the quantized rows (int4 or int8, as the layers); top 64
+        (DENSE_FROM_ROWS; 4 where gemm_bf16 serves the layers, 3 where gemm_q16 does: kernels/quant_gemm.py)
         wider steps                                int8 weights x int8 activations (kernels/quant_gemm.py
                                                    Int8ActHead, oneDNN with VNNI); top 32; where the dense
                                                    GEMM is float32 (AVX2), int4 weights x int8 activations
