@@ -200,6 +200,5 @@ class Int8ActHead:
 
 
 __all__ = ["ACT", "BF16_GEMM_FROM_ROWS", "DENSE_DTYPE", "DENSE_FROM_ROWS", "GROUP", "INT8_HEAD_FROM_ROWS",
-           "INT8_HEAD_Q16_FROM_ROWS",
-           "Q16_FROM_ROWS", "WIDE512_FROM_ROWS", "Int8ActHead", "dense_mm", "int4_fits", "int4_mm", "int8_mm",
-           "onednn_bf16", "pack_dense", "pack_int4"]
+           "INT8_HEAD_Q16_FROM_ROWS", "Q16_FROM_ROWS", "WIDE512_FROM_ROWS", "Int8ActHead", "dense_mm", "int4_fits",
+           "int4_mm", "int8_mm", "onednn_bf16", "pack_dense", "pack_int4"]

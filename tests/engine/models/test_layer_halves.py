@@ -9,6 +9,7 @@ import dataclasses
 import random
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -119,23 +120,11 @@ def test_where_gemm_q16_serves_the_layers_the_head_takes_its_int8_product_from_t
     w = torch.randn(4096, 576)
     head = QuantLogits(w, "int4", ops=ops)
     assert head.wide is not None
-    calls: list[int] = []
-
-    class Spy:
-        refine = head.wide.refine
-
-        def __init__(self, wide: Any) -> None:
-            self.wide = wide
-
-        def __call__(self, x: torch.Tensor) -> torch.Tensor:
-            calls.append(x.shape[0])
-            return self.wide(x)
-
-    head.wide = Spy(head.wide)
+    head.wide = spy = mock.Mock(wraps=head.wide, refine=head.wide.refine)      # the real product, its calls seen
     for rows in (1, 2, 3, 8):
         x = torch.randn(rows, 576)
         assert torch.equal(head(x).argmax(-1), (x @ w.T).argmax(-1))
-    assert calls == [3, 8]
+    assert [c.args[0].shape[0] for c in spy.call_args_list] == [3, 8]
 
 
 def test_the_float32_halves_of_gemm_q16_give_the_op_by_op_paths_tokens_and_logprobs_bit_for_bit(
